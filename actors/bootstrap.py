@@ -1,0 +1,167 @@
+"""Joining the Ray cluster and starting or finding tierstore's actors.
+
+Both actors are named and detached in the configured Ray namespace, so they outlive any
+engine and a later engine, in a new process, finds the chunks an earlier one stored.
+Their owner is ``tierstore down`` (:func:`shutdown_actors`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.evictor import EVICTOR_NAME, Evictor, node_store_name
+from actors.node_store import NodeStore
+from tierstore.config import TierStoreConfig
+from tierstore.errors import ClusterUnavailableError
+
+logger = logging.getLogger(__name__)
+
+_START_LOCK = Path(tempfile.gettempdir()) / "tierstore-ray-start.lock"
+_GRACE_S = 5.0  # given to an actor's __ray_terminate__ before it is killed
+
+
+def connect(cfg: TierStoreConfig) -> None:
+    """Join Ray once per process: the configured address, else a local cluster.
+
+    When no address is configured and no local cluster runs, start one with
+    ``ray start --head`` (not in-process), so it outlives this engine and the next engine
+    finds what this one stored. A file lock keeps concurrent workers from starting two.
+    """
+    if ray.is_initialized():
+        return
+    if cfg.ray_address is not None:
+        _init(cfg.ray_address, cfg)
+        return
+    with open(_START_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            _init("auto", cfg)
+            return
+        except ConnectionError:
+            logger.info("no Ray cluster is running here; starting one with `ray start --head`")
+        _start_local_head()
+        _init("auto", cfg)
+
+
+def _init(address: str, cfg: TierStoreConfig) -> None:
+    try:
+        ray.init(
+            address=address,
+            namespace=cfg.namespace,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+    except ConnectionError as exc:
+        if address != "auto":
+            raise ClusterUnavailableError(
+                f"no Ray cluster at {address!r}: start one with `ray start --head` or fix "
+                f"ray_address / RAY_ADDRESS ({exc})"
+            ) from exc
+        raise
+
+
+def _start_local_head() -> None:
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_cli is None:
+        raise ClusterUnavailableError("cannot start Ray: the `ray` command is not installed")
+    result = subprocess.run(
+        [ray_cli, "start", "--head", "--disable-usage-stats"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if result.returncode != 0:
+        raise ClusterUnavailableError(
+            f"`ray start --head` failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
+        )
+
+
+def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
+    return (
+        ray.remote(Evictor)
+        .options(
+            name=EVICTOR_NAME,
+            namespace=cfg.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+        )
+        .remote(cfg.namespace)
+    )
+
+
+def get_or_create_node_store(
+    cfg: TierStoreConfig, node_id: str | None = None
+) -> ray.actor.ActorHandle:
+    """The NodeStore of ``node_id`` (default: this process's node), pinned to it."""
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    get_or_create_evictor(cfg)
+    handle = (
+        ray.remote(NodeStore)
+        .options(
+            name=node_store_name(node_id),
+            namespace=cfg.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(node_id, cfg.cpu_bytes_per_node, EVICTOR_NAME, cfg.namespace)
+    )
+    return handle
+
+
+def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
+    try:
+        return ray.get_actor(node_store_name(node_id), namespace=namespace)
+    except ValueError as exc:
+        raise ClusterUnavailableError(f"no NodeStore on node {node_id}") from exc
+
+
+def ensure_actors(cfg: TierStoreConfig) -> None:
+    """Evictor plus one NodeStore on every alive node; returns once all answer."""
+    evictor = get_or_create_evictor(cfg)
+    handles = [
+        get_or_create_node_store(cfg, node["NodeID"]) for node in ray.nodes() if node["Alive"]
+    ]
+    ray.get([evictor.status.remote(), *[h.status.remote() for h in handles]])
+
+
+def shutdown_actors(namespace: str) -> int:
+    """Stop every tierstore actor in ``namespace``: graceful first, then forced."""
+    names = [EVICTOR_NAME] + [node_store_name(n["NodeID"]) for n in ray.nodes()]
+    stopped = 0
+    for name in names:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        done = handle.__ray_terminate__.remote()
+        ready, _ = ray.wait([done], timeout=_GRACE_S)
+        if not ready:
+            ray.kill(handle)
+        stopped += 1
+    deadline = time.monotonic() + _GRACE_S
+    while time.monotonic() < deadline and any(_exists(n, namespace) for n in names):
+        time.sleep(0.1)
+    return stopped
+
+
+def _exists(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,1 @@
+"""The tierstore CLI, cluster bootstrap, serving helpers and benchmark jobs."""

@@ -1,0 +1,100 @@
+"""Tiny models with random weights, made locally (no hub access): one per KV-cache family.
+
+Each is small enough for the CPU build of vLLM to start in about a minute, yet keeps the
+KV cache group structure of its family: that structure is what tierstore must restore.
+Weights are seeded, so the same name always gives the same model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_VOCAB = 512
+
+
+def _llama() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+def _gemma3() -> Any:
+    from transformers import Gemma3TextConfig
+
+    # 4 sliding + 2 full layers: vLLM splits them into 3 KV cache groups of 2 layers.
+    return Gemma3TextConfig(
+        vocab_size=_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        sliding_window=128, max_position_embeddings=4096,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"]
+        + ["sliding_attention"] * 2 + ["full_attention"],
+    )
+
+
+def _gpt_oss() -> Any:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=_VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=128,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def _qwen3_next() -> Any:
+    from transformers import Qwen3NextConfig
+
+    # The CPU build's GDN kernel wants linear-attention head dims of 128.
+    return Qwen3NextConfig(
+        vocab_size=_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, decoder_sparse_step=1,
+        max_position_embeddings=4096,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+
+
+TINY_MODELS: dict[str, Callable[[], Any]] = {
+    "llama": _llama,
+    "gemma3": _gemma3,
+    "gpt-oss": _gpt_oss,
+    "qwen3-next": _qwen3_next,
+}
+
+
+def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """Write a tiny random model under ``root/name`` once; returns its directory."""
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)}")
+    path = Path(root) / f"{name}-{dtype}"
+    marker = path / "config.json"
+    if marker.exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = TINY_MODELS[name]()
+    config.dtype = dtype
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    # Written last: its presence means the model is complete.
+    data = json.loads(marker.read_text())
+    marker.write_text(json.dumps(data, indent=2))
+    logger.info("made tiny %s model at %s", name, path)
+    return path

@@ -1,0 +1,159 @@
+"""The one validated configuration object, parsed once from ``kv_connector_extra_config``.
+
+Every path into :class:`TierStoreConfig` goes through ``__post_init__``, so a bad value
+fails at start-up with a message that names the key, never later inside a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierstore.errors import ConfigError
+
+# Keys that vLLM's OffloadingConnector itself reads from the same extra config. They are
+# accepted (and left to vLLM) so that a typo in tierstore's own keys can still be caught.
+VLLM_OWNED_KEYS: frozenset[str] = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "blocks_per_chunk",
+        "block_size",
+        "offload_prompt_only",
+        "self_describing_kv_events",
+        "canonical_layout",
+        "sync_load_budget_bytes",
+        "cpu_bytes_to_use",  # set by --kv-offloading-size; tierstore ignores it
+    }
+)
+
+DEFAULT_NAMESPACE = "tierstore"
+
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+def parse_bytes(key: str, value: object) -> int:
+    """Parse a byte size given as an int or a string such as ``"8GiB"`` or ``"512MB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a byte size, got the boolean {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if match and match.group(2).lower() in _SIZE_UNITS:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    raise ConfigError(
+        f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}"
+    )
+
+
+def parse_bool(key: str, value: object) -> bool:
+    """Parse a boolean strictly: ``"false"`` must not become ``True``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in {"true", "1", "yes", "on"}:
+        return True
+    if isinstance(value, str) and value.strip().lower() in {"false", "0", "no", "off"}:
+        return False
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TierStoreConfig:
+    """tierstore's settings for one engine (and for the actors it starts)."""
+
+    # Bytes of chunk data each node's CPU tier may hold. Required: there is no safe default.
+    cpu_bytes_per_node: int
+    # Ray namespace that holds every tierstore actor; engines sharing it share chunks.
+    namespace: str = DEFAULT_NAMESPACE
+    # Ray cluster to join ("ip:port" or "auto"); None = RAY_ADDRESS, then a running local
+    # cluster, then a new local one.
+    ray_address: str | None = None
+    # Seconds a HIT stays reserved for the engine that saw it before the Evictor may evict it.
+    lease_ttl_s: float = 30.0
+    # Seconds a worker waits for a NodeStore before failing the engine loudly.
+    transfer_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cpu_bytes_per_node, bool) or not isinstance(
+            self.cpu_bytes_per_node, int
+        ):
+            raise ConfigError(
+                f"cpu_bytes_per_node: expected an integer byte count, got "
+                f"{self.cpu_bytes_per_node!r}"
+            )
+        if self.cpu_bytes_per_node <= 0:
+            raise ConfigError(
+                f"cpu_bytes_per_node: must be positive, got {self.cpu_bytes_per_node!r}"
+            )
+        if not isinstance(self.namespace, str) or not _NAMESPACE_RE.match(self.namespace):
+            raise ConfigError(
+                f"namespace: expected 1-64 letters, digits, '_', '.' or '-', got "
+                f"{self.namespace!r}"
+            )
+        if self.ray_address is not None and (
+            not isinstance(self.ray_address, str) or not self.ray_address.strip()
+        ):
+            raise ConfigError(
+                f"ray_address: expected 'ip:port' or 'auto', got {self.ray_address!r}"
+            )
+        for key in ("lease_ttl_s", "transfer_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
+
+    @classmethod
+    def from_extra_config(
+        cls, extra_config: Mapping[str, Any], ray_address_env: str | None = None
+    ) -> TierStoreConfig:
+        """Build from vLLM's ``kv_connector_extra_config``; ``RAY_ADDRESS`` is passed in."""
+        own_keys = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra_config) - own_keys - VLLM_OWNED_KEYS)
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, sorted(own_keys | VLLM_OWNED_KEYS), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(
+                "unknown kv_connector_extra_config key(s): "
+                + ", ".join(hints)
+                + f". tierstore's keys are: {', '.join(sorted(own_keys))}"
+            )
+        if "cpu_bytes_per_node" not in extra_config:
+            raise ConfigError(
+                "cpu_bytes_per_node: missing from kv_connector_extra_config; set it to the "
+                "bytes each node's CPU tier may hold, e.g. \"cpu_bytes_per_node\": \"4GiB\""
+            )
+        kwargs: dict[str, Any] = {k: extra_config[k] for k in own_keys if k in extra_config}
+        kwargs["cpu_bytes_per_node"] = parse_bytes(
+            "cpu_bytes_per_node", kwargs["cpu_bytes_per_node"]
+        )
+        if kwargs.get("ray_address") is None and ray_address_env:
+            kwargs["ray_address"] = ray_address_env
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,9 @@
+"""Eviction policies, chosen by name through :data:`POLICIES`."""
+
+from tierstore.control.policies.base import EvictionPolicy
+from tierstore.registry import Registry
+
+POLICIES: Registry[EvictionPolicy] = Registry("eviction policy", EvictionPolicy)
+
+# Built-ins, registered last so the registry exists first.
+POLICIES.register("lru", "tierstore.control.policies.lru", "LRUPolicy")

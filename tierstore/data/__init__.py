@@ -1,0 +1,1 @@
+"""Data plane: chunk layout, checksums and the tiers that hold chunk bytes (no Ray here)."""

@@ -1,0 +1,1 @@
+"""Tier engines: plain classes that hold shard bytes within a byte bound."""

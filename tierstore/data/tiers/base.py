@@ -1,0 +1,70 @@
+"""The contract every tier engine honours."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierstore.keys import ShardId
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """What is known of a shard's bytes besides the bytes themselves."""
+
+    nbytes: int
+    digest: int  # xxh3-64 of the bytes, computed by the producing worker
+    slot_mask: int  # bit i set = sub-slot i of the chunk holds data that was written
+
+
+@dataclass(frozen=True)
+class StoredShard:
+    meta: ShardMeta
+    data: np.ndarray  # uint8, 1-D, len == meta.nbytes
+
+
+class Tier(ABC):
+    """A bounded store of shards.
+
+    Called only from the owning NodeStore's thread; methods never block on the network.
+    Which shards to evict is not the tier's decision: the Evictor decides, and the
+    NodeStore calls :meth:`delete`. A tier only refuses what does not fit.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @abstractmethod
+    def put(self, shard_id: ShardId, shard: StoredShard) -> None:
+        """Hold a shard. Raises TierFullError if it does not fit; replaces nothing."""
+
+    @abstractmethod
+    def get(self, shard_id: ShardId) -> StoredShard:
+        """The shard. Raises ChunkNotFoundError if absent."""
+
+    @abstractmethod
+    def delete(self, shard_id: ShardId) -> int:
+        """Forget a shard; returns the bytes freed (0 if it was absent)."""
+
+    @abstractmethod
+    def __contains__(self, shard_id: object) -> bool: ...
+
+    @abstractmethod
+    def items(self) -> Iterator[tuple[ShardId, ShardMeta]]:
+        """Inventory: every shard held, with its metadata."""
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.items())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes

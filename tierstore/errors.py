@@ -1,0 +1,27 @@
+"""tierstore's exception hierarchy: every failure a caller may handle has its own type."""
+
+from __future__ import annotations
+
+
+class TierStoreError(Exception):
+    """Base class of every error tierstore raises on purpose."""
+
+
+class ConfigError(TierStoreError, ValueError):
+    """A configuration key is unknown, missing or has a bad value."""
+
+
+class TierFullError(TierStoreError):
+    """A tier has no room for a chunk and nothing may be evicted to make room."""
+
+
+class ChunkNotFoundError(TierStoreError, KeyError):
+    """A chunk that was asked for is not held where it was expected."""
+
+
+class ChunkCorruptError(TierStoreError):
+    """A chunk's bytes do not match its length or checksum: it must never be served."""
+
+
+class ClusterUnavailableError(TierStoreError, ConnectionError):
+    """Ray or one of tierstore's actors cannot be reached."""

@@ -1,0 +1,46 @@
+"""Identifiers that cross process boundaries, each with its own type.
+
+vLLM's ``OffloadKey`` is a prefix-chained block hash plus a 4-byte group index: it says
+nothing of the model, dtype, chunking or rank. tierstore therefore scopes every key by a
+:data:`Namespace` (a digest of everything that shapes a chunk's bytes) and by the rank
+that produced the shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import NamedTuple, NewType
+
+# vLLM's OffloadKey bytes: block hash + group index (big-endian uint32).
+ChunkKey = NewType("ChunkKey", bytes)
+# Ray node id (hex).
+NodeId = NewType("NodeId", str)
+# Hex digest of the chunk-shaping parameters of one engine configuration.
+Namespace = NewType("Namespace", str)
+
+_GROUP_SUFFIX_BYTES = 4
+
+
+class ShardId(NamedTuple):
+    """One rank's bytes of one chunk: the unit a NodeStore holds."""
+
+    namespace: Namespace
+    key: ChunkKey
+    rank: int
+
+
+def group_of(key: ChunkKey) -> int:
+    """The original KV cache group index carried in the key's 4-byte suffix."""
+    return int.from_bytes(key[-_GROUP_SUFFIX_BYTES:], "big")
+
+
+def make_namespace(shape: Mapping[str, object]) -> Namespace:
+    """Digest of every parameter that changes what a chunk's bytes mean.
+
+    Two engines share chunks only when model, dtype, layout, chunking and parallelism all
+    agree; anything else would read another model's KV as its own.
+    """
+    canonical = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
+    return Namespace(hashlib.sha256(canonical.encode()).hexdigest()[:32])

