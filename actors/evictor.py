@@ -36,7 +36,9 @@ class Evictor:
     def admit(
         self, node_id: str, offers: list[ShardOffer]
     ) -> tuple[list[bool], dict[NodeId, list[ShardId]]]:
-        result = self._index.admit(NodeId(node_id), [ShardOffer(*o) for o in offers], time.monotonic())
+        result = self._index.admit(
+            NodeId(node_id), [ShardOffer(*o) for o in offers], time.monotonic()
+        )
         self._send_drops({n: s for n, s in result.drops.items() if n != node_id})
         return result.accepted, result.drops
 

@@ -83,7 +83,7 @@ class NodeStoreCore:
         self.drop(decision.drops.get(self.node_id, []))
         kept = 0
         lost: list[ShardId] = []
-        for entry, accepted in zip(entries, decision.accepted):
+        for entry, accepted in zip(entries, decision.accepted, strict=True):
             if not accepted:
                 self.stats.skipped_shards += 1
                 continue
@@ -95,7 +95,10 @@ class NodeStoreCore:
                 lost.append(shard_id)
                 continue
             try:
-                self.cpu.put(shard_id, StoredShard(ShardMeta(entry.nbytes, entry.digest, entry.slot_mask), data))
+                self.cpu.put(
+                    shard_id,
+                    StoredShard(ShardMeta(entry.nbytes, entry.digest, entry.slot_mask), data),
+                )
             except TierFullError:
                 # The Evictor's accounting and ours disagree: refuse rather than exceed the bound.
                 logger.warning("CPU tier refused an admitted shard; skipping it", exc_info=True)
@@ -180,7 +183,9 @@ class NodeStore:
         # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
         # zero-copy, and let the core copy out what it keeps.
         buffer = ray.get(buffer_ref[0])
-        return self._core.store(namespace, rank, world_size, [ShardEntry(*e) for e in entries], buffer)
+        return self._core.store(
+            namespace, rank, world_size, [ShardEntry(*e) for e in entries], buffer
+        )
 
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]

@@ -16,15 +16,25 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _VOCAB = 512
+# Ten times transformers' default: at 0.02 a tiny random model's next-token distribution
+# is nearly uniform and barely depends on the context, so a wrong KV restore would hardly
+# show. At 0.1 flipping one early prompt token moves log-probs by ~0.5-1.5 (measured).
+_INIT_RANGE = 0.1
 
 
 def _llama() -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
 
 
@@ -33,11 +43,19 @@ def _gemma3() -> Any:
 
     # 4 sliding + 2 full layers: vLLM splits them into 3 KV cache groups of 2 layers.
     return Gemma3TextConfig(
-        vocab_size=_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        sliding_window=128, max_position_embeddings=4096,
-        layer_types=["sliding_attention"] * 2 + ["full_attention"]
-        + ["sliding_attention"] * 2 + ["full_attention"],
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=128,
+        max_position_embeddings=4096,
+        layer_types=["sliding_attention"] * 2
+        + ["full_attention"]
+        + ["sliding_attention"] * 2
+        + ["full_attention"],
     )
 
 
@@ -45,9 +63,17 @@ def _gpt_oss() -> Any:
     from transformers import GptOssConfig
 
     return GptOssConfig(
-        vocab_size=_VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=128,
-        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=4096,
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=4096,
         layer_types=["sliding_attention", "full_attention"],
     )
 
@@ -57,12 +83,23 @@ def _qwen3_next() -> Any:
 
     # The CPU build's GDN kernel wants linear-attention head dims of 128.
     return Qwen3NextConfig(
-        vocab_size=_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, decoder_sparse_step=1,
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
         max_position_embeddings=4096,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
     )
@@ -90,6 +127,7 @@ def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0
     torch.manual_seed(seed)
     config = TINY_MODELS[name]()
     config.dtype = dtype
+    config.initializer_range = _INIT_RANGE
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

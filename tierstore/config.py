@@ -65,9 +65,7 @@ def parse_bytes(key: str, value: object) -> int:
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _SIZE_UNITS:
             return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    raise ConfigError(
-        f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}"
-    )
+    raise ConfigError(f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}")
 
 
 def parse_bool(key: str, value: object) -> bool:
@@ -111,8 +109,7 @@ class TierStoreConfig:
             )
         if not isinstance(self.namespace, str) or not _NAMESPACE_RE.match(self.namespace):
             raise ConfigError(
-                f"namespace: expected 1-64 letters, digits, '_', '.' or '-', got "
-                f"{self.namespace!r}"
+                f"namespace: expected 1-64 letters, digits, '_', '.' or '-', got {self.namespace!r}"
             )
         if self.ray_address is not None and (
             not isinstance(self.ray_address, str) or not self.ray_address.strip()
@@ -145,7 +142,7 @@ class TierStoreConfig:
         if "cpu_bytes_per_node" not in extra_config:
             raise ConfigError(
                 "cpu_bytes_per_node: missing from kv_connector_extra_config; set it to the "
-                "bytes each node's CPU tier may hold, e.g. \"cpu_bytes_per_node\": \"4GiB\""
+                'bytes each node\'s CPU tier may hold, e.g. "cpu_bytes_per_node": "4GiB"'
             )
         kwargs: dict[str, Any] = {k: extra_config[k] for k in own_keys if k in extra_config}
         kwargs["cpu_bytes_per_node"] = parse_bytes(

@@ -85,7 +85,9 @@ class ChunkIndex:
 
     def forget_node(self, node: NodeId) -> dict[NodeId, list[ShardId]]:
         """A node left: its chunks become incomplete, so drop them everywhere."""
-        doomed = [cid for cid, c in self._chunks.items() if any(n == node for n, _ in c.shards.values())]
+        doomed = [
+            cid for cid, c in self._chunks.items() if any(n == node for n, _ in c.shards.values())
+        ]
         drops: dict[NodeId, list[ShardId]] = defaultdict(list)
         for cid in doomed:
             self._remove_chunk(cid, drops)
@@ -185,7 +187,7 @@ class ChunkIndex:
         now: float,
         lease_ttl_s: float,
     ) -> list[dict[int, NodeId] | None]:
-        """For each key: where each rank's shard lives (a HIT, now leased to ``holder``), or None."""
+        """Per key: rank -> node of each shard (a HIT, now leased to ``holder``), or None."""
         answers: list[dict[int, NodeId] | None] = []
         for key in keys:
             cid = ChunkId(namespace, key)

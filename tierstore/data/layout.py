@@ -120,7 +120,7 @@ class ChunkLayout:
         chunks: list[ChunkPlacement] = []
         spans: list[_GroupSpan] = []
         offset = ids_start = 0
-        for p, (n_blocks, first_index) in enumerate(zip(group_sizes, block_indices)):
+        for p, (n_blocks, first_index) in enumerate(zip(group_sizes, block_indices, strict=True)):
             if n_blocks == 0:
                 continue
             skip = int(first_index) % bpc
@@ -151,7 +151,10 @@ class ChunkLayout:
             rows[span.skip + span.n_blocks :].zero_()
             for ref in self.groups[span.group_pos].refs:
                 src = self.tensors[ref.tensor_idx][:, : ref.page_bytes]
-                rows[span.skip : span.skip + span.n_blocks, ref.slot_offset : ref.slot_offset + ref.page_bytes] = src[ids]
+                rows[
+                    span.skip : span.skip + span.n_blocks,
+                    ref.slot_offset : ref.slot_offset + ref.page_bytes,
+                ] = src[ids]
 
     def scatter(self, plan: JobPlan, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
         """Copy the job's pages from ``buffer`` into the KV cache blocks ``block_ids``."""

@@ -74,7 +74,9 @@ class EvictorChannel:
             if stop:
                 return
 
-    def _send(self, batch: list[tuple[str, tuple[Any, ...], Callable[[Answers], None] | None, int]]) -> None:
+    def _send(
+        self, batch: list[tuple[str, tuple[Any, ...], Callable[[Answers], None] | None, int]]
+    ) -> None:
         calls = []
         for method, args, on_done, n_keys in batch:
             try:
@@ -90,7 +92,8 @@ class EvictorChannel:
                     result = ray.get(ref, timeout=_CALL_TIMEOUT_S)
                 except Exception:
                     logger.warning(
-                        "Evictor call %s failed; %s", method,
+                        "Evictor call %s failed; %s",
+                        method,
                         "its lookups count as misses" if on_done else "dropped",
                         exc_info=True,
                     )

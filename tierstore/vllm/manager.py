@@ -65,9 +65,7 @@ class _RequestState:
 
 
 class TierStoreManager(OffloadingManager):
-    def __init__(
-        self, cfg: TierStoreConfig, namespace: Namespace, channel: EvictorChannel
-    ) -> None:
+    def __init__(self, cfg: TierStoreConfig, namespace: Namespace, channel: EvictorChannel) -> None:
         self._cfg = cfg
         self._namespace = namespace
         self._channel = channel
@@ -119,7 +117,10 @@ class TierStoreManager(OffloadingManager):
                 if state.unsent:
                     keys, state.unsent = state.unsent, []
                     self._channel.lookup(
-                        self._namespace, keys, state.holder, self._cfg.lease_ttl_s,
+                        self._namespace,
+                        keys,
+                        state.holder,
+                        self._cfg.lease_ttl_s,
                         lambda answers, r=req_id, k=keys: self._on_answers(r, k, answers),
                     )
 
@@ -132,11 +133,11 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._requests.get(req_id)
             if state is None:  # finished meanwhile: give the leases back
-                hits = [k for k, a in zip(keys, answers) if a is not None]
+                hits = [k for k, a in zip(keys, answers, strict=True) if a is not None]
                 if hits:
                     self._channel.release(self._namespace, hits, f"{self._id}/{req_id}")
                 return
-            for key, where in zip(keys, answers):
+            for key, where in zip(keys, answers, strict=True):
                 state.pending.discard(key)
                 ttl = hit_ttl if where is not None else _MISS_TTL_S
                 state.answers[key] = _Answer(where, now + ttl)
@@ -203,9 +204,7 @@ class TierStoreManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput:
         with self._lock:
-            fresh = [
-                k for k in keys if k not in self._known_stored and k not in self._storing
-            ]
+            fresh = [k for k in keys if k not in self._known_stored and k not in self._storing]
             self._storing.update(fresh)
             return PrepareStoreOutput(
                 keys_to_store=fresh,

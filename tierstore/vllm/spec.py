@@ -23,7 +23,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from actors.bootstrap import connect, find_node_store, get_or_create_evictor, get_or_create_node_store
+from actors.bootstrap import (
+    connect,
+    find_node_store,
+    get_or_create_evictor,
+    get_or_create_node_store,
+)
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import Namespace, NodeId, make_namespace
@@ -47,7 +52,9 @@ def namespace_for(config: OffloadingConfig) -> Namespace:
             "dtype": config.model.dtype,
             "tokens_per_hash": config.cache.tokens_per_hash,
             "blocks_per_chunk": config.cache.blocks_per_chunk,
-            "groups": [(g.group_id, g.tokens_per_block, list(g.layer_names)) for g in config.groups],
+            "groups": [
+                (g.group_id, g.tokens_per_block, list(g.layer_names)) for g in config.groups
+            ],
             "world_size": parallel.world_size,
             "tp": parallel.tp_size,
             "pp": parallel.pp_size,
@@ -83,7 +90,10 @@ class TierStoreSpec(OffloadingSpec):
         connect(self.store_config)
         layout = ChunkLayout(
             [t.tensor for t in kv_caches.tensors],
-            [[(r.tensor_idx, r.page_size_bytes) for r in refs] for refs in kv_caches.group_data_refs],
+            [
+                [(r.tensor_idx, r.page_size_bytes) for r in refs]
+                for refs in kv_caches.group_data_refs
+            ],
             self.blocks_per_chunk,
         )
         node_id = ray.get_runtime_context().get_node_id()
@@ -91,13 +101,17 @@ class TierStoreSpec(OffloadingSpec):
         namespace = self.store_config.namespace
         logger.info(
             "tierstore worker rank %d on node %s: chunk bytes per group %s",
-            self.config.parallel.rank, node_id, [g.chunk_bytes for g in layout.groups],
+            self.config.parallel.rank,
+            node_id,
+            [g.chunk_bytes for g in layout.groups],
         )
         return TierStoreWorker(
             layout,
             rank=self.config.parallel.rank,
             world_size=self.config.parallel.world_size,
             local_store=local_store,
-            find_store=lambda node: local_store if node == node_id else find_node_store(namespace, NodeId(node)),
+            find_store=lambda node: (
+                local_store if node == node_id else find_node_store(namespace, NodeId(node))
+            ),
             transfer_timeout_s=self.store_config.transfer_timeout_s,
         )

@@ -74,7 +74,9 @@ class TierStoreWorker(OffloadingWorker):
         plan = self._plan(src_spec, len(dst_spec.keys), job_id)
         started = time.perf_counter()
         gathered = self._copier.gather(plan, src_spec.block_ids)
-        self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered, started))
+        self._track(
+            job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered, started)
+        )
         return True
 
     def _store(
@@ -87,8 +89,10 @@ class TierStoreWorker(OffloadingWorker):
     ) -> TransferResult:
         buffer = gathered()
         entries = [
-            ShardEntry(key, c.offset, c.nbytes, digest(buffer[c.offset : c.offset + c.nbytes]), c.slot_mask)
-            for key, c in zip(spec.keys, plan.chunks)
+            ShardEntry(
+                key, c.offset, c.nbytes, digest(buffer[c.offset : c.offset + c.nbytes]), c.slot_mask
+            )
+            for key, c in zip(spec.keys, plan.chunks, strict=True)
         ]
         ref = ray.put(buffer)
         kept = ray.get(
@@ -112,7 +116,9 @@ class TierStoreWorker(OffloadingWorker):
         assert isinstance(src_spec, LoadSpec), type(src_spec)
         plan = self._plan(dst_spec, len(src_spec.keys), job_id)
         started = time.perf_counter()
-        self._track(job_id, self._pool.submit(self._load, job_id, src_spec, dst_spec, plan, started))
+        self._track(
+            job_id, self._pool.submit(self._load, job_id, src_spec, dst_spec, plan, started)
+        )
         return True
 
     def _load(
@@ -195,7 +201,7 @@ class TierStoreWorker(OffloadingWorker):
             done = [job_id for job_id, f in self._jobs.items() if f.done()]
             futures = [self._jobs.pop(job_id) for job_id in done]
         results = []
-        for job_id, future in zip(done, futures):
+        for job_id, future in zip(done, futures, strict=True):
             exc = future.exception()
             if exc is not None:
                 raise TierStoreError(f"tierstore transfer job {job_id} failed: {exc}") from exc

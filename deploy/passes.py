@@ -1,0 +1,137 @@
+"""Run prompt passes through one vLLM engine and record what tierstore is judged on.
+
+Shared by the demo and the end-to-end tests: each pass sends token-id prompts (the tiny
+models have no tokenizer), greedy, with log-probs, and records the tokens, the sampled
+token's log-prob, ``num_cached_tokens`` and the time to the first token. Between passes
+the engine's device prefix cache can be reset, so the next pass must come from
+tierstore (or be recomputed).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TIERSTORE_SPEC = {"spec_name": "TierStoreSpec", "spec_module_path": "tierstore.spec"}
+
+
+def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` that loads an offloading spec through vLLM's connector."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@dataclass
+class RequestResult:
+    tokens: list[int]
+    logprobs: list[float]
+    num_cached_tokens: int
+    ttft_s: float
+
+
+@dataclass
+class PassResult:
+    requests: list[RequestResult] = field(default_factory=list)
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    dtype: str = "float32"
+    block_size: int | None = 32
+    max_model_len: int = 4096
+    kv_extra_config: dict[str, Any] | None = None  # None = no connector at all
+    cpu_offload_gb: float = 0.0
+    enforce_eager: bool = True
+    seed: int = 0
+
+
+def random_prompt(n_tokens: int, seed: int, vocab: int = 500) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(1, vocab) for _ in range(n_tokens)]
+
+
+def build_llm(spec: EngineSpec) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": spec.model,
+        "skip_tokenizer_init": True,
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+        "enable_prefix_caching": True,
+        "enforce_eager": spec.enforce_eager,
+        "seed": spec.seed,
+        "max_num_batched_tokens": spec.max_model_len,
+        "disable_log_stats": False,  # keeps per-request timestamps for the TTFT
+    }
+    if spec.block_size is not None:
+        kwargs["block_size"] = spec.block_size
+    if spec.cpu_offload_gb:
+        kwargs["cpu_offload_gb"] = spec.cpu_offload_gb
+    if spec.kv_extra_config is not None:
+        kwargs["kv_transfer_config"] = kv_transfer_config(spec.kv_extra_config)
+    return LLM(**kwargs)
+
+
+def run_pass(
+    llm: Any, prompts: list[list[int]], max_tokens: int, reset_each: bool = False
+) -> PassResult:
+    """One request at a time, in order, so each sees what the earlier ones stored.
+
+    With ``reset_each`` the device prefix cache is emptied before every request, so every
+    cached token it reports came from the offloading connector.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False)
+    result = PassResult()
+    for prompt in prompts:
+        if reset_each:
+            settle()
+            llm.reset_prefix_cache()
+        started = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - started
+        stats = out.metrics
+        # The engine's own timestamps: queued (lookups and loads included) to first token.
+        ttft = (
+            stats.first_token_ts - stats.queued_ts
+            if stats is not None and stats.first_token_ts and stats.queued_ts
+            else wall
+        )
+        completion = out.outputs[0]
+        pairs = zip(completion.token_ids, completion.logprobs, strict=True)
+        logprobs = [entry[token].logprob for token, entry in pairs]
+        result.requests.append(
+            RequestResult(list(completion.token_ids), logprobs, out.num_cached_tokens or 0, ttft)
+        )
+    return result
+
+
+def settle(seconds: float = 1.0) -> None:
+    """Give the last step's stores time to land (they finish on the engine's next steps)."""
+    time.sleep(seconds)
+
+
+def run_passes(
+    spec: EngineSpec,
+    prompts: list[list[int]],
+    n_passes: int,
+    max_tokens: int = 8,
+    reset_between: bool = True,
+) -> list[dict[str, Any]]:
+    llm = build_llm(spec)
+    passes = []
+    for _ in range(n_passes):
+        passes.append(asdict(run_pass(llm, prompts, max_tokens)))
+        settle()
+        if reset_between:
+            llm.reset_prefix_cache()
+    return passes

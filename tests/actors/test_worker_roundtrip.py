@@ -1,0 +1,144 @@
+"""The worker and the actors together, without an engine: real Ray, real KV tensors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
+from deploy.cli import collect_status
+from tierstore.config import TierStoreConfig
+from tierstore.data.layout import ChunkLayout
+from tierstore.errors import TierStoreError
+from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+from tierstore.vllm.worker import TierStoreWorker
+
+NS = Namespace("test-namespace")
+PAGE_BYTES = (96, 200)  # two groups with different pages, padded rows below
+
+
+def _kv() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(-128, 127, (32, 128), dtype=torch.int8, generator=g),
+        torch.randint(-128, 127, (32, 256), dtype=torch.int8, generator=g),
+    ]
+
+
+def _worker(cfg: TierStoreConfig, kv: list[torch.Tensor]) -> TierStoreWorker:
+    layout = ChunkLayout(kv, [[(0, PAGE_BYTES[0])], [(1, PAGE_BYTES[1])]], blocks_per_chunk=2)
+    node = ray.get_runtime_context().get_node_id()
+    store = get_or_create_node_store(cfg, node)
+    return TierStoreWorker(layout, 0, 1, store, lambda n: find_node_store(cfg.namespace, n), 30.0)
+
+
+def _keys(n: int, group: int, start: int = 0) -> list[ChunkKey]:
+    return [
+        ChunkKey(i.to_bytes(8, "big") + group.to_bytes(4, "big")) for i in range(start, start + n)
+    ]
+
+
+def _drain(worker: TierStoreWorker, n_jobs: int) -> list[int]:
+    done: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(done) < n_jobs and time.monotonic() < deadline:
+        done += [r.job_id for r in worker.get_finished() if r.success]
+        time.sleep(0.01)
+    return done
+
+
+def _store_job(worker: TierStoreWorker) -> list[ChunkKey]:
+    keys = _keys(2, 0) + _keys(1, 1)
+    src = GPULoadStoreSpec([1, 2, 3, 4, 5], group_sizes=[4, 1], block_indices=[0, 0])
+    assert worker.submit_store(1, src, StoreSpec(NS, tuple(keys)))
+    assert _drain(worker, 1) == [1]
+    return keys
+
+
+def _load_spec(cfg: TierStoreConfig, keys: list[ChunkKey]) -> LoadSpec:
+    answers = ray.get(get_or_create_evictor(cfg).lookup.remote(NS, keys, "test", 30.0))
+    assert all(a is not None for a in answers)
+    return LoadSpec.build(NS, keys, answers)
+
+
+def test_store_then_load_into_other_blocks_is_byte_exact(cfg: TierStoreConfig) -> None:
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    worker = _worker(cfg, kv)
+    keys = _store_job(worker)
+    dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
+    assert worker.submit_load(2, _load_spec(cfg, keys), dst)
+    worker.wait({2})
+    assert _drain(worker, 1) == [2]
+    for s, d in zip([1, 2, 3, 4], [20, 21, 22, 23], strict=True):
+        assert torch.equal(kv[0][d, :96], original[0][s, :96])
+    assert torch.equal(kv[1][24, :200], original[1][5, :200])
+    # The padding past each page is not tierstore's to write.
+    assert torch.equal(kv[0][20, 96:], original[0][20, 96:])
+    status = collect_status(cfg.namespace)
+    (node,) = status["nodes"]
+    assert node["cpu"]["chunks"] == 3
+    assert node["cpu"]["used_bytes"] == 2 * 2 * 96 + 2 * 200
+    assert status["totals"]["stored_chunks"] == 3
+    assert status["totals"]["hits"] == 3
+
+
+def test_chunks_survive_the_worker_process_that_stored_them(cfg: TierStoreConfig) -> None:
+    @ray.remote(num_cpus=0)
+    def store_and_exit(config: TierStoreConfig) -> None:
+        worker = _worker(config, _kv())
+        _store_job(worker)
+
+    ray.get(store_and_exit.remote(cfg))  # the task's worker process owned the put
+    kv = [torch.zeros_like(t) for t in _kv()]
+    worker = _worker(cfg, kv)
+    keys = _keys(2, 0) + _keys(1, 1)
+    dst = GPULoadStoreSpec([1, 2, 3, 4, 5], group_sizes=[4, 1], block_indices=[0, 0])
+    worker.submit_load(7, _load_spec(cfg, keys), dst)
+    assert _drain(worker, 1) == [7]
+    assert torch.equal(kv[0][1:5, :96], _kv()[0][1:5, :96])
+
+
+def test_corrupt_chunk_is_never_scattered_and_fails_loudly(cfg: TierStoreConfig) -> None:
+    kv = _kv()
+    worker = _worker(cfg, kv)
+    keys = _store_job(worker)
+    node = NodeId(ray.get_runtime_context().get_node_id())
+    ray.get(find_node_store(cfg.namespace, node).corrupt_for_test.remote(NS, keys[0], 0))
+    before = [t.clone() for t in kv]
+    dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
+    worker.submit_load(3, _load_spec(cfg, keys), dst)
+    worker.wait({3})
+    with pytest.raises(TierStoreError, match="checksum mismatch"):
+        worker.get_finished()
+    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+
+
+def test_cpu_tier_stays_within_its_bound(cfg: TierStoreConfig) -> None:
+    worker = _worker(cfg, _kv())
+    chunk = 2 * 96
+    n = cfg.cpu_bytes_per_node // chunk + 20  # more than fits
+    for job in range(n):
+        src = GPULoadStoreSpec([1, 2], group_sizes=[2, 0], block_indices=[0, 0])
+        worker.submit_store(100 + job, src, StoreSpec(NS, tuple(_keys(1, 0, start=job))))
+    assert len(_drain(worker, n)) == n
+    status = collect_status(cfg.namespace)
+    cpu = status["nodes"][0]["cpu"]
+    assert cpu["used_bytes"] <= cpu["capacity_bytes"]
+    assert cpu["chunks"] == cfg.cpu_bytes_per_node // chunk
+    assert status["totals"]["evicted_chunks"] == n - cpu["chunks"]
+    # The oldest chunks went first; the newest are loadable.
+    evictor = get_or_create_evictor(cfg)
+    assert ray.get(evictor.lookup.remote(NS, _keys(1, 0, start=0), "t", 1.0)) == [None]
+    assert ray.get(evictor.lookup.remote(NS, _keys(1, 0, start=n - 1), "t", 1.0)) != [None]
+
+
+def test_unknown_load_wait_ids_are_ignored(cfg: TierStoreConfig) -> None:
+    worker = _worker(cfg, _kv())
+    worker.wait({12345})
+    assert worker.get_finished() == []
