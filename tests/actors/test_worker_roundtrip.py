@@ -142,3 +142,23 @@ def test_unknown_load_wait_ids_are_ignored(cfg: TierStoreConfig) -> None:
     worker = _worker(cfg, _kv())
     worker.wait({12345})
     assert worker.get_finished() == []
+
+
+def test_store_to_a_dead_node_store_is_skipped_not_fatal(cfg: TierStoreConfig) -> None:
+    kv = _kv()
+    worker = _worker(cfg, kv)
+    keys = _store_job(worker)
+    spec = _load_spec(cfg, keys)
+    ray.kill(worker._local_store)
+    src = GPULoadStoreSpec([6, 7], group_sizes=[2, 0], block_indices=[0, 0])
+    worker.submit_store(2, src, StoreSpec(NS, tuple(_keys(1, 0, start=50))))
+    assert _drain(worker, 1) == [2]  # reported done: a lost store only costs a recompute
+    assert worker.failed_stores == 1
+    # A load from the dead NodeStore must never be reported done.
+    before = [t.clone() for t in kv]
+    dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
+    worker.submit_load(3, spec, dst)
+    worker.wait({3})
+    with pytest.raises(TierStoreError, match="job 3 failed"):
+        worker.get_finished()
+    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))

@@ -143,6 +143,9 @@ class TierStoreManager(OffloadingManager):
                 state.answers[key] = _Answer(where, now + ttl)
                 if where is not None:
                     state.leased.add(key)
+                else:
+                    # Evicted (or never stored): let the next prepare_store offer it again.
+                    self._known_stored.pop(key, None)
 
     @override
     def has_pending_work(self) -> bool:

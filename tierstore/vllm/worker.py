@@ -64,6 +64,7 @@ class TierStoreWorker(OffloadingWorker):
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-xfer")
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._lock = threading.Lock()
+        self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
 
     # ---- stores ----------------------------------------------------------------------------
     @override
@@ -88,6 +89,21 @@ class TierStoreWorker(OffloadingWorker):
         started: float,
     ) -> TransferResult:
         buffer = gathered()
+        try:
+            self._put(spec, plan, buffer)
+        except Exception:
+            # A lost store costs a future recompute, never wrong output: report the job
+            # done (vLLM has no failure path) and keep serving.
+            logger.warning(
+                "store job %d failed; its %d chunks are not offloaded",
+                job_id,
+                len(plan.chunks),
+                exc_info=True,
+            )
+            self.failed_stores += 1
+        return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+
+    def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
         entries = [
             ShardEntry(
                 key, c.offset, c.nbytes, digest(buffer[c.offset : c.offset + c.nbytes]), c.slot_mask
@@ -101,8 +117,8 @@ class TierStoreWorker(OffloadingWorker):
             ),
             timeout=self._timeout_s,
         )
-        logger.debug("store job %d: %d of %d shards kept", job_id, kept, len(entries))
-        return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+        logger.debug("%d of %d shards kept", kept, len(entries))
+        return kept
 
     # ---- loads -----------------------------------------------------------------------------
     @override
