@@ -21,8 +21,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.evictor import EVICTOR_NAME, Evictor, node_store_name
-from actors.node_store import NodeStore
+from actors.node_store_actor import NodeStore
 from tierstore.config import TierStoreConfig
+from tierstore.control.index import Watermarks
 from tierstore.errors import ClusterUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,11 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
             get_if_exists=True,
             num_cpus=0,
         )
-        .remote(cfg.namespace)
+        .remote(
+            cfg.namespace,
+            cfg.eviction_policy,
+            Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark),
+        )
     )
 
 
@@ -118,7 +123,7 @@ def get_or_create_node_store(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(node_id, cfg.cpu_bytes_per_node, EVICTOR_NAME, cfg.namespace)
+        .remote(node_id, cfg, EVICTOR_NAME)
     )
     return handle
 

@@ -1,28 +1,33 @@
-"""NodeStore: one per node; owns that node's CPU tier and the bytes in it.
+"""NodeStore: one per node; owns that node's CPU and disk tiers and the bytes in them.
 
 :class:`NodeStoreCore` holds all of the logic and no Ray; :class:`NodeStore` is the thin
 actor around it. Shards arrive as one buffer per job (an ObjectRef the worker put); the
 core copies each admitted shard out of it into memory this process owns, so the
 producing worker may exit without taking a byte with it (ray-notes: a held ObjectRef
-dies with its owner).
+dies with its owner). What to keep, demote, promote or drop is the Evictor's decision;
+the core carries it out and reports what failed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
-import ray
 
-from tierstore.control.index import AdmitResult, ShardOffer
+from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
 from tierstore.data.checksum import digest
-from tierstore.data.tiers.base import ShardMeta, StoredShard
+from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
+from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
-from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.errors import (
+    ChunkCorruptError,
+    ChunkNotFoundError,
+    TierFullError,
+    TierStoreError,
+)
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,23 @@ class ShardEntry(NamedTuple):
     nbytes: int
     digest: int
     slot_mask: int
+    parent: bytes | None = None
+
+
+class EvictorPort(Protocol):
+    """What a NodeStore asks of the Evictor. ``admit``/``restore`` answer; the rest are one-way."""
+
+    def admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult: ...
+
+    def restore(
+        self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
+    ) -> tuple[list[bool], NodeActions]: ...
+
+    def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
+
+    def forget(self, node: NodeId, shard_ids: list[ShardId]) -> None: ...
+
+    def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None: ...
 
 
 @dataclass
@@ -45,24 +67,46 @@ class NodeStoreStats:
     stored_bytes: int = 0
     loaded_bytes: int = 0
     dropped_shards: int = 0
+    demoted_shards: int = 0
+    promoted_shards: int = 0
+    failed_demotions: int = 0
     corrupt_on_store: int = 0
+    corrupt_before_hit: int = 0
+    corrupt_after_hit: int = 0
 
 
-# admit(node, offers) -> AdmitResult; the Evictor's decision, passed in so the core is
-# testable with an in-process ChunkIndex.
-AdmitFn = Callable[[NodeId, list[ShardOffer]], AdmitResult]
-# forget(node, shard_ids): admitted shards this node could not keep after all.
-ForgetFn = Callable[[NodeId, list[ShardId]], None]
+def _tier_status(tier: Tier | None) -> dict[str, int]:
+    if tier is None:
+        return {"used_bytes": 0, "capacity_bytes": 0, "chunks": 0}
+    return {
+        "used_bytes": tier.used_bytes,
+        "capacity_bytes": tier.capacity_bytes,
+        "chunks": len(tier),
+    }
 
 
 @dataclass
 class NodeStoreCore:
     node_id: NodeId
     cpu: MemoryTier
-    admit: AdmitFn
-    forget: ForgetFn
+    disk: DiskTier | None
+    evictor: EvictorPort
     stats: NodeStoreStats = field(default_factory=NodeStoreStats)
 
+    # ---- start-up ----------------------------------------------------------------------
+    def register_inventory(self) -> int:
+        """Offer what the disk tier recovered to the Evictor; drop what it refuses."""
+        held = [
+            (_offer(shard_id, meta), TierName.DISK)
+            for shard_id, meta in (self.disk.items() if self.disk else [])
+        ] + [(_offer(shard_id, meta), TierName.CPU) for shard_id, meta in self.cpu.items()]
+        if not held:
+            return 0
+        accepted, actions = self.evictor.restore(self.node_id, held)
+        self.apply(actions)
+        return sum(accepted)
+
+    # ---- stores ------------------------------------------------------------------------
     def store(
         self,
         namespace: Namespace,
@@ -78,29 +122,28 @@ class NodeStoreCore:
                     f"shard at [{entry.offset}, {entry.offset + entry.nbytes}) lies outside "
                     f"the {buffer.nbytes}-byte job buffer"
                 )
-        offers = [ShardOffer(namespace, e.key, rank, world_size, e.nbytes) for e in entries]
-        decision = self.admit(self.node_id, offers)
-        self.drop(decision.drops.get(self.node_id, []))
+        offers = [
+            ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
+        ]
+        decision = self.evictor.admit(self.node_id, offers)
+        self.apply(decision.actions.get(self.node_id, NodeActions()))
         kept = 0
         lost: list[ShardId] = []
         for entry, accepted in zip(entries, decision.accepted, strict=True):
             if not accepted:
                 self.stats.skipped_shards += 1
                 continue
-            data = np.array(buffer[entry.offset : entry.offset + entry.nbytes], copy=True)
             shard_id = ShardId(namespace, entry.key, rank)
+            data = np.array(buffer[entry.offset : entry.offset + entry.nbytes], copy=True)
             if digest(data) != entry.digest:
                 self.stats.corrupt_on_store += 1
                 logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
                 lost.append(shard_id)
                 continue
+            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
             try:
-                self.cpu.put(
-                    shard_id,
-                    StoredShard(ShardMeta(entry.nbytes, entry.digest, entry.slot_mask), data),
-                )
+                self.cpu.put(shard_id, StoredShard(meta, data))
             except TierFullError:
-                # The Evictor's accounting and ours disagree: refuse rather than exceed the bound.
                 logger.warning("CPU tier refused an admitted shard; skipping it", exc_info=True)
                 self.stats.skipped_shards += 1
                 lost.append(shard_id)
@@ -109,21 +152,75 @@ class NodeStoreCore:
             self.stats.stored_shards += 1
             self.stats.stored_bytes += entry.nbytes
         if lost:
-            self.forget(self.node_id, lost)
+            self.evictor.forget(self.node_id, lost)
         return kept
 
+    # ---- the Evictor's decisions ---------------------------------------------------------
+    def apply(self, actions: NodeActions) -> None:
+        """Drop, then demote, then promote: each step makes the room the next one needs."""
+        self.drop(actions.drop)
+        lost = [s for s in map(_shard_id, actions.demote) if not self._demote(s)]
+        done, failed = [], []
+        for shard_id in map(_shard_id, actions.promote):
+            (done if self._promote(shard_id) else failed).append(shard_id)
+        if lost:
+            self.evictor.forget(self.node_id, lost)
+        if done or failed:
+            self.evictor.promoted(self.node_id, done, failed)
+
+    def drop(self, shard_ids: list[ShardId]) -> int:
+        freed = 0
+        for shard_id in map(_shard_id, shard_ids):
+            freed += self.cpu.delete(shard_id)
+            if self.disk is not None:
+                freed += self.disk.delete(shard_id)
+            self.stats.dropped_shards += 1
+        return freed
+
+    def _demote(self, shard_id: ShardId) -> bool:
+        if self.disk is None or shard_id not in self.cpu:
+            return shard_id in (self.disk or ())
+        try:
+            self.disk.put(shard_id, self.cpu.get(shard_id))
+        except (TierFullError, ValueError):
+            logger.warning("demotion of %s failed; dropping it", shard_id.key.hex(), exc_info=True)
+            self.cpu.delete(shard_id)
+            self.stats.failed_demotions += 1
+            return False
+        self.cpu.delete(shard_id)
+        self.stats.demoted_shards += 1
+        return True
+
+    def _promote(self, shard_id: ShardId) -> bool:
+        """Disk -> CPU, verified: a corrupt or truncated file becomes a miss, never a HIT."""
+        if shard_id in self.cpu:
+            return True
+        if self.disk is None or shard_id not in self.disk:
+            return False
+        try:
+            shard = self.disk.get(shard_id)  # verifies length and checksum
+            self.cpu.put(shard_id, shard)
+        except ChunkCorruptError:
+            logger.warning(
+                "corrupt chunk file for %s removed; it will be recomputed",
+                shard_id.key.hex(),
+                exc_info=True,
+            )
+            self.stats.corrupt_before_hit += 1
+            return False
+        except TierFullError:
+            logger.warning("no CPU room to promote %s", shard_id.key.hex(), exc_info=True)
+            return False
+        self.disk.delete(shard_id)
+        self.stats.promoted_shards += 1
+        return True
+
+    # ---- loads -------------------------------------------------------------------------
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> tuple[np.ndarray, list[ShardMeta]]:
-        """The shards of ``keys``, back to back in one buffer, with their metadata."""
-        shards = []
-        for key in keys:
-            shard_id = ShardId(namespace, key, rank)
-            if shard_id not in self.cpu:
-                raise ChunkNotFoundError(
-                    f"node {self.node_id}: shard {key.hex()} rank {rank} is not held"
-                )
-            shards.append(self.cpu.get(shard_id))
+        """The shards of ``keys``, back to back in one buffer, each verified first."""
+        shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
         out = np.empty(sum(s.meta.nbytes for s in shards), dtype=np.uint8)
         offset = 0
         for shard in shards:
@@ -133,80 +230,60 @@ class NodeStoreCore:
         self.stats.loaded_bytes += offset
         return out, [s.meta for s in shards]
 
-    def drop(self, shard_ids: list[ShardId]) -> int:
-        freed = 0
-        for shard_id in shard_ids:
-            freed += self.cpu.delete(ShardId(*shard_id))
-            self.stats.dropped_shards += 1
-        return freed
+    def _held(self, shard_id: ShardId) -> StoredShard:
+        if shard_id in self.cpu:
+            shard = self.cpu.get(shard_id)
+            if digest(shard.data) != shard.meta.digest:
+                # The bytes changed in memory after the HIT was promised: fail the load.
+                self.stats.corrupt_after_hit += 1
+                self.cpu.delete(shard_id)
+                self.evictor.corrupt_after_hit(self.node_id, [shard_id])
+                raise ChunkCorruptError(
+                    f"node {self.node_id}: chunk {shard_id.key.hex()} rank {shard_id.rank} "
+                    "failed its checksum in memory"
+                )
+            return shard
+        if self.disk is not None and shard_id in self.disk:  # not promoted yet: still safe
+            try:
+                return self.disk.get(shard_id)
+            except ChunkCorruptError:
+                self.stats.corrupt_after_hit += 1
+                self.evictor.corrupt_after_hit(self.node_id, [shard_id])
+                raise
+        raise ChunkNotFoundError(
+            f"node {self.node_id}: chunk {shard_id.key.hex()} rank {shard_id.rank} is not held"
+        )
 
-    def inventory(self) -> list[tuple[ShardId, int]]:
-        return [(shard_id, meta.nbytes) for shard_id, meta in self.cpu.items()]
+    # ---- introspection -------------------------------------------------------------------
+    def inventory(self) -> dict[ShardId, TierName]:
+        held = {s: TierName.CPU for s, _ in self.cpu.items()}
+        if self.disk is not None:
+            held.update({s: TierName.DISK for s, _ in self.disk.items()})
+        return held
 
     def status(self) -> dict[str, object]:
         return {
             "node_id": self.node_id,
-            "cpu": {
-                "used_bytes": self.cpu.used_bytes,
-                "capacity_bytes": self.cpu.capacity_bytes,
-                "chunks": len(self.cpu),
-            },
-            "disk": {"used_bytes": 0, "capacity_bytes": 0, "chunks": 0},
+            "cpu": _tier_status(self.cpu),
+            "disk": _tier_status(self.disk),
             "stats": dict(vars(self.stats)),
         }
 
-
-class NodeStore:
-    """The actor: thin wrapper that talks Ray around :class:`NodeStoreCore`."""
-
-    def __init__(self, node_id: str, cpu_bytes: int, evictor_name: str, namespace: str) -> None:
-        self._evictor = ray.get_actor(evictor_name, namespace=namespace)
-        ray.get(self._evictor.register_node.remote(node_id, cpu_bytes))
-        self._core = NodeStoreCore(
-            NodeId(node_id), MemoryTier(cpu_bytes), self._admit, self._forget
-        )
-
-    def _admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult:
-        return AdmitResult(*ray.get(self._evictor.admit.remote(node, offers)))
-
-    def _forget(self, node: NodeId, shard_ids: list[ShardId]) -> None:
-        self._evictor.forget_shards.remote(node, shard_ids)
-
-    def store(
-        self,
-        namespace: Namespace,
-        rank: int,
-        world_size: int,
-        entries: list[ShardEntry],
-        buffer_ref: list[ray.ObjectRef],
-    ) -> int:
-        # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
-        # zero-copy, and let the core copy out what it keeps.
-        buffer = ray.get(buffer_ref[0])
-        return self._core.store(
-            namespace, rank, world_size, [ShardEntry(*e) for e in entries], buffer
-        )
-
-    def load(
-        self, namespace: Namespace, rank: int, keys: list[ChunkKey]
-    ) -> tuple[list[ray.ObjectRef], list[ShardMeta]]:
-        data, metas = self._core.load(namespace, rank, keys)
-        # Returning the array would copy it per call; a ref in a list does not.
-        return [ray.put(data)], metas
-
-    def drop(self, shard_ids: list[ShardId]) -> int:
-        return self._core.drop(shard_ids)
-
-    def inventory(self) -> list[tuple[ShardId, int]]:
-        return self._core.inventory()
-
-    def status(self) -> dict[str, object]:
-        return self._core.status()
-
-    def corrupt_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> None:
-        """Flip one byte of a held shard (tests prove a corrupt chunk is never served)."""
-        shard = self._core.cpu.get(ShardId(namespace, key, rank))
-        shard.data[0] ^= 0xFF
+    def corrupt_in_memory(self, shard_id: ShardId) -> None:
+        """Flip one byte of a shard held in memory (tests prove it is never served)."""
+        self.cpu.get(_shard_id(shard_id)).data[0] ^= 0xFF
 
 
-__all__ = ["ChunkCorruptError", "NodeStore", "NodeStoreCore", "ShardEntry"]
+def _shard_id(value: ShardId | tuple) -> ShardId:  # type: ignore[type-arg]
+    """Ray hands NamedTuples back as tuples when nested; restore the type."""
+    namespace, key, rank = value
+    return ShardId(Namespace(namespace), ChunkKey(key), int(rank))
+
+
+def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:
+    return ShardOffer(
+        shard_id.namespace, shard_id.key, shard_id.rank, meta.world_size, meta.nbytes, meta.parent
+    )
+
+
+__all__ = ["EvictorPort", "NodeStoreCore", "ShardEntry", "TierStoreError"]

@@ -61,7 +61,11 @@ def collect_status(namespace: str) -> dict[str, Any]:
             "hits": stats["hits"],
             "misses": stats["misses"],
             "evicted_chunks": stats["evicted_chunks"],
+            "demoted_shards": stats["demoted_shards"],
+            "promoted_shards": stats["promoted_shards"],
             "skipped_stores": stats["skipped_stores"],
+            "corrupt_before_hit": stats["corrupt_before_hit"],
+            "corrupt_after_hit": stats["corrupt_after_hit"],
             "indexed_chunks": evictor_status["chunks"],
         },
     }

@@ -94,6 +94,20 @@ class TierStoreConfig:
     lease_ttl_s: float = 30.0
     # Seconds a worker waits for a NodeStore before failing the engine loudly.
     transfer_timeout_s: float = 120.0
+    # Directory of each node's disk tier; None = no disk tier. Survives restarts.
+    disk_path: str | None = None
+    # Bytes of chunk data each node's disk tier may hold; 0 = no disk tier.
+    disk_bytes_per_node: int = 0
+    # fsync every chunk file before publishing it: survives power loss, costs a flush
+    # per chunk (measured in deploy/bench). Off: a crash loses only unsynced chunks, and
+    # a torn file fails its checksum, so it is never served.
+    disk_fsync: bool = False
+    # Eviction policy over prefix boundaries: "lru" or "arc".
+    eviction_policy: str = "lru"
+    # Demote CPU chunks to disk once a node's CPU tier passes this fraction...
+    cpu_high_watermark: float = 0.95
+    # ...down to this fraction, so stores keep finding room without waiting.
+    cpu_low_watermark: float = 0.85
 
     def __post_init__(self) -> None:
         if isinstance(self.cpu_bytes_per_node, bool) or not isinstance(
@@ -116,6 +130,41 @@ class TierStoreConfig:
         ):
             raise ConfigError(
                 f"ray_address: expected 'ip:port' or 'auto', got {self.ray_address!r}"
+            )
+        if (
+            isinstance(self.disk_bytes_per_node, bool)
+            or not isinstance(self.disk_bytes_per_node, int)
+            or self.disk_bytes_per_node < 0
+        ):
+            raise ConfigError(
+                f"disk_bytes_per_node: expected a byte count >= 0, got {self.disk_bytes_per_node!r}"
+            )
+        if self.disk_bytes_per_node > 0 and not self.disk_path:
+            raise ConfigError(
+                "disk_path: required when disk_bytes_per_node > 0; set it to a directory on "
+                "each node's local disk"
+            )
+        if self.disk_path is not None and (
+            not isinstance(self.disk_path, str) or not self.disk_path.strip()
+        ):
+            raise ConfigError(f"disk_path: expected a directory path, got {self.disk_path!r}")
+        if not isinstance(self.disk_fsync, bool):
+            raise ConfigError(f"disk_fsync: expected true or false, got {self.disk_fsync!r}")
+        from tierstore.control.policies import POLICIES
+
+        if self.eviction_policy not in POLICIES.names():
+            raise ConfigError(
+                f"eviction_policy: unknown policy {self.eviction_policy!r}; supported: "
+                f"{', '.join(POLICIES.names())}"
+            )
+        for key in ("cpu_high_watermark", "cpu_low_watermark"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+        if self.cpu_low_watermark > self.cpu_high_watermark:
+            raise ConfigError(
+                f"cpu_low_watermark: {self.cpu_low_watermark!r} is above cpu_high_watermark "
+                f"{self.cpu_high_watermark!r}"
             )
         for key in ("lease_ttl_s", "transfer_timeout_s"):
             value = getattr(self, key)
@@ -148,6 +197,12 @@ class TierStoreConfig:
         kwargs["cpu_bytes_per_node"] = parse_bytes(
             "cpu_bytes_per_node", kwargs["cpu_bytes_per_node"]
         )
+        if "disk_bytes_per_node" in kwargs:
+            kwargs["disk_bytes_per_node"] = parse_bytes(
+                "disk_bytes_per_node", kwargs["disk_bytes_per_node"]
+            )
+        if "disk_fsync" in kwargs:
+            kwargs["disk_fsync"] = parse_bool("disk_fsync", kwargs["disk_fsync"])
         if kwargs.get("ray_address") is None and ray_address_env:
             kwargs["ray_address"] = ray_address_env
         return cls(**kwargs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
+from enum import Enum
 from typing import NamedTuple, NewType
 
 # vLLM's OffloadKey bytes: block hash + group index (big-endian uint32).
@@ -23,12 +24,22 @@ Namespace = NewType("Namespace", str)
 _GROUP_SUFFIX_BYTES = 4
 
 
+class TierName(str, Enum):
+    CPU = "cpu"
+    DISK = "disk"
+
+
 class ShardId(NamedTuple):
     """One rank's bytes of one chunk: the unit a NodeStore holds."""
 
     namespace: Namespace
     key: ChunkKey
     rank: int
+
+
+def boundary_of(key: ChunkKey) -> bytes:
+    """The block hash: the same for every group's chunk ending at one token boundary."""
+    return key[:-_GROUP_SUFFIX_BYTES]
 
 
 def group_of(key: ChunkKey) -> int:

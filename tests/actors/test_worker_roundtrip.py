@@ -12,13 +12,14 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
 from deploy.cli import collect_status
 from tierstore.config import TierStoreConfig
+from tierstore.control.index import LookupState
 from tierstore.data.layout import ChunkLayout
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
 
-NS = Namespace("test-namespace")
+NS = Namespace("7e57da7a")
 PAGE_BYTES = (96, 200)  # two groups with different pages, padded rows below
 
 
@@ -60,10 +61,21 @@ def _store_job(worker: TierStoreWorker) -> list[ChunkKey]:
     return keys
 
 
+def _lookup(cfg: TierStoreConfig, keys: list[ChunkKey], ttl: float = 30.0) -> list[LookupState]:
+    answers = ray.get(get_or_create_evictor(cfg).lookup.remote(NS, keys, "test", ttl))
+    return [LookupState(a[0]) for a in answers]
+
+
 def _load_spec(cfg: TierStoreConfig, keys: list[ChunkKey]) -> LoadSpec:
-    answers = ray.get(get_or_create_evictor(cfg).lookup.remote(NS, keys, "test", 30.0))
-    assert all(a is not None for a in answers)
-    return LoadSpec.build(NS, keys, answers)
+    """Look the keys up until every one is a HIT (promotions from disk take a moment)."""
+    evictor = get_or_create_evictor(cfg)
+    deadline = time.monotonic() + 10
+    while True:
+        answers = ray.get(evictor.lookup.remote(NS, keys, "test", 30.0))
+        if all(LookupState(a[0]) is LookupState.HIT for a in answers):
+            return LoadSpec.build(NS, keys, [a[1] for a in answers])
+        assert time.monotonic() < deadline, answers
+        time.sleep(0.02)
 
 
 def test_store_then_load_into_other_blocks_is_byte_exact(cfg: TierStoreConfig) -> None:
@@ -109,12 +121,12 @@ def test_corrupt_chunk_is_never_scattered_and_fails_loudly(cfg: TierStoreConfig)
     worker = _worker(cfg, kv)
     keys = _store_job(worker)
     node = NodeId(ray.get_runtime_context().get_node_id())
-    ray.get(find_node_store(cfg.namespace, node).corrupt_for_test.remote(NS, keys[0], 0))
+    ray.get(find_node_store(cfg.namespace, node).corrupt_in_memory_for_test.remote(NS, keys[0], 0))
     before = [t.clone() for t in kv]
     dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
     worker.submit_load(3, _load_spec(cfg, keys), dst)
     worker.wait({3})
-    with pytest.raises(TierStoreError, match="checksum mismatch"):
+    with pytest.raises(TierStoreError, match="checksum"):
         worker.get_finished()
     assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
 
@@ -133,9 +145,8 @@ def test_cpu_tier_stays_within_its_bound(cfg: TierStoreConfig) -> None:
     assert cpu["chunks"] == cfg.cpu_bytes_per_node // chunk
     assert status["totals"]["evicted_chunks"] == n - cpu["chunks"]
     # The oldest chunks went first; the newest are loadable.
-    evictor = get_or_create_evictor(cfg)
-    assert ray.get(evictor.lookup.remote(NS, _keys(1, 0, start=0), "t", 1.0)) == [None]
-    assert ray.get(evictor.lookup.remote(NS, _keys(1, 0, start=n - 1), "t", 1.0)) != [None]
+    assert _lookup(cfg, _keys(1, 0, start=0), 1.0) == [LookupState.MISS]
+    assert _lookup(cfg, _keys(1, 0, start=n - 1), 1.0) == [LookupState.HIT]
 
 
 def test_unknown_load_wait_ids_are_ignored(cfg: TierStoreConfig) -> None:

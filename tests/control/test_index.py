@@ -1,21 +1,40 @@
-"""The Evictor's logic: LRU, capacity accounting per node, leases, whole-chunk eviction."""
+"""The Evictor's logic: capacity per node and tier, leases, tail-first eviction, promotion."""
 
 from __future__ import annotations
 
-from tierstore.control.index import ChunkIndex, ShardOffer
+from tierstore.control.index import ChunkIndex, LookupState, NodeActions, ShardOffer, Watermarks
 from tierstore.control.policies import POLICIES
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
-NS = Namespace("ns")
+NS = Namespace("ab")
 A, B = NodeId("node-a"), NodeId("node-b")
+CPU, DISK = TierName.CPU, TierName.DISK
 
 
-def key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
+def key(i: int, group: int = 0) -> ChunkKey:
+    return ChunkKey(i.to_bytes(8, "big") + group.to_bytes(4, "big"))
 
 
-def offer(i: int, nbytes: int = 100, rank: int = 0, world: int = 1) -> ShardOffer:
-    return ShardOffer(NS, key(i), rank, world, nbytes)
+def offer(
+    i: int,
+    nbytes: int = 100,
+    rank: int = 0,
+    world: int = 1,
+    parent: int | None = None,
+    group: int = 0,
+) -> ShardOffer:
+    return ShardOffer(
+        NS, key(i, group), rank, world, nbytes, key(parent, group) if parent is not None else None
+    )
+
+
+def sid(i: int, rank: int = 0, group: int = 0) -> ShardId:
+    return ShardId(NS, key(i, group), rank)
+
+
+def hit(index: ChunkIndex, i: int, now: float = 0, holder: str = "h", ttl: float = 1):
+    (answer,), actions = index.lookup(NS, [key(i)], holder, now, ttl)
+    return answer, actions
 
 
 def test_every_registered_policy_imports() -> None:
@@ -23,17 +42,17 @@ def test_every_registered_policy_imports() -> None:
         assert POLICIES.get(name)() is not None
 
 
-def test_admit_until_full_then_evict_least_recently_used() -> None:
+def test_without_disk_full_cpu_evicts_least_recently_used() -> None:
     index = ChunkIndex()
     index.register_node(A, 300)
     for i in range(3):
         assert index.admit(A, [offer(i)], now=0).accepted == [True]
-    index.lookup(NS, [key(0)], "h", now=0, lease_ttl_s=1)  # 0 becomes most recent
+    hit(index, 0)  # 0 becomes most recent
     index.release(NS, [key(0)], "h")
     result = index.admit(A, [offer(3)], now=0)
     assert result.accepted == [True]
-    assert result.drops == {A: [ShardId(NS, key(1), 0)]}
-    assert index.nodes()[A] == (300, 300, 3)
+    assert result.actions[A].drop == [sid(1)]
+    assert index.nodes()[A][CPU] == (300, 300, 3)
     assert index.stats.evicted_chunks == 1
 
 
@@ -42,7 +61,7 @@ def test_capacity_is_never_exceeded_and_oversized_shards_are_skipped() -> None:
     index.register_node(A, 250)
     assert index.admit(A, [offer(0, 400)], now=0).accepted == [False]
     assert index.admit(A, [offer(1), offer(2), offer(3)], now=0).accepted == [True, True, False]
-    assert index.nodes()[A][0] <= 250
+    assert index.nodes()[A][CPU][0] <= 250
     assert index.stats.skipped_stores == 2
 
 
@@ -50,10 +69,9 @@ def test_hit_under_lease_is_not_evicted_until_the_lease_ends() -> None:
     index = ChunkIndex()
     index.register_node(A, 200)
     index.admit(A, [offer(0), offer(1)], now=0)
-    assert index.lookup(NS, [key(0), key(1)], "engine/r1", now=0, lease_ttl_s=10) == [
-        {0: A},
-        {0: A},
-    ]
+    answers, _ = index.lookup(NS, [key(0), key(1)], "engine/r1", 0, 10)
+    assert [a.state for a in answers] == [LookupState.HIT, LookupState.HIT]
+    assert answers[0].where == {0: A}
     # Both leased: a new store is skipped rather than evicting a HIT.
     assert index.admit(A, [offer(2)], now=5).accepted == [False]
     # After the lease expires (a crashed engine), the chunks are evictable again.
@@ -64,7 +82,7 @@ def test_released_lease_makes_chunk_evictable() -> None:
     index = ChunkIndex()
     index.register_node(A, 100)
     index.admit(A, [offer(0)], now=0)
-    index.lookup(NS, [key(0)], "h", now=0, lease_ttl_s=100)
+    hit(index, 0, ttl=100)
     assert index.admit(A, [offer(1)], now=1).accepted == [False]
     index.release(NS, [key(0)], "h")
     assert index.admit(A, [offer(1)], now=1).accepted == [True]
@@ -75,21 +93,23 @@ def test_chunk_is_a_hit_only_when_every_rank_is_stored() -> None:
     index.register_node(A, 1000)
     index.register_node(B, 1000)
     index.admit(A, [offer(0, rank=0, world=2)], now=0)
-    assert index.lookup(NS, [key(0)], "h", now=0, lease_ttl_s=1) == [None]
+    assert hit(index, 0)[0].state is LookupState.MISS
     index.admit(B, [offer(0, rank=1, world=2)], now=0)
-    assert index.lookup(NS, [key(0)], "h", now=0, lease_ttl_s=1) == [{0: A, 1: B}]
+    answer, _ = hit(index, 0)
+    assert answer.state is LookupState.HIT and answer.where == {0: A, 1: B}
     assert index.stats.hits == 1 and index.stats.misses == 1
 
 
-def test_evicting_a_chunk_drops_every_rank_everywhere() -> None:
+def test_dropping_a_chunk_drops_every_rank_everywhere() -> None:
     index = ChunkIndex()
     index.register_node(A, 100)
     index.register_node(B, 1000)
     index.admit(A, [offer(0, rank=0, world=2)], now=0)
     index.admit(B, [offer(0, rank=1, world=2)], now=0)
     result = index.admit(A, [offer(1, rank=0, world=2)], now=0)
-    assert result.drops == {A: [ShardId(NS, key(0), 0)], B: [ShardId(NS, key(0), 1)]}
-    assert index.nodes()[B] == (0, 1000, 0)
+    assert result.actions[A].drop == [sid(0, 0)]
+    assert result.actions[B].drop == [sid(0, 1)]
+    assert index.nodes()[B][CPU] == (0, 1000, 0)
 
 
 def test_duplicate_shard_is_refused_without_double_counting() -> None:
@@ -97,7 +117,7 @@ def test_duplicate_shard_is_refused_without_double_counting() -> None:
     index.register_node(A, 1000)
     index.admit(A, [offer(0)], now=0)
     assert index.admit(A, [offer(0)], now=0).accepted == [False]
-    assert index.nodes()[A] == (100, 1000, 1)
+    assert index.nodes()[A][CPU] == (100, 1000, 1)
 
 
 def test_forgetting_a_node_drops_its_chunks_elsewhere() -> None:
@@ -106,6 +126,84 @@ def test_forgetting_a_node_drops_its_chunks_elsewhere() -> None:
     index.register_node(B, 1000)
     index.admit(A, [offer(0, rank=0, world=2)], now=0)
     index.admit(B, [offer(0, rank=1, world=2)], now=0)
-    assert index.forget_node(A) == {B: [ShardId(NS, key(0), 1)]}
-    assert index.lookup(NS, [key(0)], "h", now=0, lease_ttl_s=1) == [None]
+    assert index.forget_node(A) == {B: NodeActions(drop=[sid(0, 1)])}
+    assert hit(index, 0)[0].state is LookupState.MISS
     assert A not in index.nodes()
+
+
+def test_full_cpu_demotes_to_disk_and_full_disk_drops_tails() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 200, 200)
+    index.admit(A, [offer(0), offer(1, parent=0)], now=0)  # a chain 0 <- 1
+    result = index.admit(A, [offer(2)], now=0)
+    assert result.actions[A].demote == [sid(1)]  # the chain's tail goes down first
+    assert index.nodes()[A] == {CPU: (200, 200, 2), DISK: (100, 200, 1)}
+    index.admit(A, [offer(3)], now=0)  # demotes 0 (1 has no CPU shard any more)
+    index.admit(A, [offer(4)], now=0)  # disk full: drops tail 1, then demotes
+    assert 1 not in [int.from_bytes(k.key[:8], "big") for k in index.shards_on(A)]
+    assert index.nodes()[A][CPU][0] <= 200 and index.nodes()[A][DISK][0] <= 200
+
+
+def test_a_chain_head_is_never_dropped_before_its_tail() -> None:
+    index = ChunkIndex()
+    index.register_node(A, 300)
+    index.admit(A, [offer(0), offer(1, parent=0), offer(2, parent=1)], now=0)
+    hit(index, 2)  # the tail is the most recent, the head the least
+    index.release(NS, [key(2)], "h")
+    result = index.admit(A, [offer(9)], now=0)
+    assert result.actions[A].drop == [sid(2)]  # LRU would have taken 0
+
+
+def test_every_group_at_a_boundary_goes_together() -> None:
+    index = ChunkIndex()
+    index.register_node(A, 400)
+    index.admit(A, [offer(0, group=0), offer(0, group=1), offer(1, group=0), offer(1, group=1)], 0)
+    result = index.admit(A, [offer(5)], now=0)
+    assert sorted(result.actions[A].drop) == sorted([sid(0, group=0), sid(0, group=1)])
+
+
+def test_disk_chunk_is_promoted_before_it_is_a_hit() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 100, 1000)
+    index.admit(A, [offer(0)], now=0)
+    index.admit(A, [offer(1)], now=0)  # demotes 0
+    answer, actions = hit(index, 0)
+    assert answer.state is LookupState.PENDING
+    assert actions[A].promote == [sid(0)] and actions[A].demote == [sid(1)]
+    assert hit(index, 0)[0].state is LookupState.PENDING
+    index.promoted(A, [sid(0)], [])
+    answer, _ = hit(index, 0)
+    assert answer.state is LookupState.HIT and index.stats.promoted_shards == 1
+
+
+def test_corrupt_promotion_becomes_a_miss_and_is_counted() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 100, 1000)
+    index.admit(A, [offer(0)], now=0)
+    index.admit(A, [offer(1)], now=0)
+    hit(index, 0)
+    index.promoted(A, [], [sid(0)])
+    assert hit(index, 0)[0].state is LookupState.MISS
+    assert index.stats.corrupt_before_hit == 1
+    assert sid(0) not in index.shards_on(A)
+
+
+def test_restore_reindexes_what_a_node_held() -> None:
+    index = ChunkIndex()
+    index.register_node(A, 100, 1000)
+    accepted, actions = index.restore(A, [(offer(0), DISK), (offer(1, parent=0), DISK)])
+    assert accepted == [True, True] and not actions
+    assert index.shards_on(A) == {sid(0): DISK, sid(1): DISK}
+    assert index.units()[(NS, key(1)[:-4])][0] == {(NS, key(0)[:-4])}
+
+
+def test_arc_keeps_reused_units_through_a_scan_of_one_offs() -> None:
+    index = ChunkIndex(policy="arc")
+    index.register_node(A, 500)
+    index.admit(A, [offer(0), offer(1)], now=0)
+    for i in (0, 1):  # reused: they move to ARC's frequency list
+        hit(index, i)
+        index.release(NS, [key(i)], "h")
+    for i in range(10, 30):  # a scan of one-off prefixes
+        index.admit(A, [offer(i)], now=0)
+    assert {sid(0), sid(1)} <= set(index.shards_on(A))

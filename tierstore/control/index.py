@@ -1,8 +1,20 @@
-"""The cluster-wide chunk index: where each shard lives, capacity per node, leases, eviction.
+"""The cluster-wide chunk index: where each shard lives, capacity per node and tier,
+leases, and the prefix-aware eviction across tiers.
 
-This is all of the Evictor's logic as a plain class, so it is unit-tested without Ray.
-A chunk (namespace, key) is *loadable* when every rank of its engine's world holds a
-shard. Eviction removes whole chunks: one rank's shard alone is useless.
+This is all of the Evictor's logic as a plain class, so it is tested without Ray.
+
+Vocabulary:
+- a *shard* is one rank's bytes of one chunk, held by one node in one tier;
+- a *chunk* ``(namespace, key)`` is loadable when every rank's shard is in a CPU tier;
+- a *unit* is every group's chunk at one token boundary (the key minus its group
+  suffix). Units are what the policy orders and what is evicted: a hybrid model's
+  boundary is only usable with every group present.
+- a unit's *parents* are the units of the previous chunk of each of its chains. A unit
+  is dropped only when no resident unit names it as parent (tail first), and demoted
+  from CPU only when no child still has a CPU shard.
+
+Decisions are returned as :class:`NodeActions` for the NodeStores to carry out, in the
+order drop, demote, promote, so a promotion always finds the room made for it.
 """
 
 from __future__ import annotations
@@ -10,10 +22,11 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
 
 from tierstore.control.policies import POLICIES
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,20 +36,64 @@ class ChunkId(NamedTuple):
     key: ChunkKey
 
 
+class UnitId(NamedTuple):
+    namespace: Namespace
+    boundary: bytes
+
+
 class ShardOffer(NamedTuple):
-    """A shard a NodeStore wants to hold."""
+    """A shard a NodeStore wants to hold (or already holds, when re-registering)."""
 
     namespace: Namespace
     key: ChunkKey
     rank: int
     world_size: int
     nbytes: int
+    parent: bytes | None = None
+
+
+class LookupState(str, Enum):
+    HIT = "hit"
+    MISS = "miss"
+    PENDING = "pending"  # present, being promoted from disk: ask again shortly
+
+
+class LookupAnswer(NamedTuple):
+    state: LookupState
+    where: dict[int, NodeId] | None = None  # rank -> node, for a HIT
+
+
+@dataclass
+class NodeActions:
+    drop: list[ShardId] = field(default_factory=list)
+    demote: list[ShardId] = field(default_factory=list)
+    promote: list[ShardId] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.drop or self.demote or self.promote)
+
+
+Actions = dict[NodeId, NodeActions]
+
+
+class AdmitResult(NamedTuple):
+    accepted: list[bool]  # one per offer, in order
+    actions: Actions  # what each node must do to honour the decision
+
+
+@dataclass
+class _Shard:
+    node: NodeId
+    nbytes: int
+    tier: TierName
+    promoting: bool = False
 
 
 @dataclass
 class _Chunk:
     world_size: int
-    shards: dict[int, tuple[NodeId, int]] = field(default_factory=dict)  # rank -> (node, bytes)
+    parent: ChunkKey | None
+    shards: dict[int, _Shard] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -44,10 +101,18 @@ class _Chunk:
 
 
 @dataclass
-class _NodeAccount:
+class _Unit:
+    keys: set[ChunkKey] = field(default_factory=set)
+    parents: set[UnitId] = field(default_factory=set)
+    children: set[UnitId] = field(default_factory=set)
+    waiting_for: set[UnitId] = field(default_factory=set)  # parents not (yet) resident
+
+
+@dataclass
+class _TierAccount:
     capacity_bytes: int
     used_bytes: int = 0
-    chunks: int = 0
+    shards: int = 0
 
 
 @dataclass
@@ -56,129 +121,283 @@ class IndexStats:
     loaded_chunks: int = 0
     hits: int = 0
     misses: int = 0
-    evicted_chunks: int = 0
+    evicted_chunks: int = 0  # dropped for room (from any tier)
+    demoted_shards: int = 0
+    promoted_shards: int = 0
     skipped_stores: int = 0
+    corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
+    corrupt_after_hit: int = 0  # failed verification on load: the engine was stopped
 
 
-class AdmitResult(NamedTuple):
-    accepted: list[bool]  # one per offer, in order
-    drops: dict[NodeId, list[ShardId]]  # shards each node must delete to honour the eviction
+@dataclass(frozen=True)
+class Watermarks:
+    """Demote CPU shards to disk once a node's CPU tier passes ``high``, down to ``low``."""
+
+    high: float = 0.95
+    low: float = 0.85
 
 
 class ChunkIndex:
     """Single-threaded: the Evictor actor serialises every call."""
 
-    def __init__(self, policy: str = "lru") -> None:
+    def __init__(self, policy: str = "lru", watermarks: Watermarks | None = None) -> None:
         self._policy = POLICIES.get(policy)()
+        self._watermarks = watermarks or Watermarks()
         self._chunks: dict[ChunkId, _Chunk] = {}
-        self._nodes: dict[NodeId, _NodeAccount] = {}
+        self._units: dict[UnitId, _Unit] = {}
+        self._orphans: dict[UnitId, set[UnitId]] = defaultdict(set)  # absent parent -> children
+        self._nodes: dict[NodeId, dict[TierName, _TierAccount]] = {}
         self._leases: dict[ChunkId, dict[str, float]] = defaultdict(dict)  # holder -> expiry
         self.stats = IndexStats()
 
     # ---- nodes -------------------------------------------------------------------------
-    def register_node(self, node: NodeId, capacity_bytes: int) -> None:
-        account = self._nodes.get(node)
-        if account is None:
-            self._nodes[node] = _NodeAccount(capacity_bytes)
-        else:
-            account.capacity_bytes = capacity_bytes
+    def register_node(self, node: NodeId, cpu_bytes: int, disk_bytes: int = 0) -> None:
+        tiers = self._nodes.setdefault(
+            node, {TierName.CPU: _TierAccount(cpu_bytes), TierName.DISK: _TierAccount(disk_bytes)}
+        )
+        tiers[TierName.CPU].capacity_bytes = cpu_bytes
+        tiers[TierName.DISK].capacity_bytes = disk_bytes
 
-    def forget_node(self, node: NodeId) -> dict[NodeId, list[ShardId]]:
-        """A node left: its chunks become incomplete, so drop them everywhere."""
-        doomed = [
-            cid for cid, c in self._chunks.items() if any(n == node for n, _ in c.shards.values())
-        ]
-        drops: dict[NodeId, list[ShardId]] = defaultdict(list)
-        for cid in doomed:
-            self._remove_chunk(cid, drops)
+    def restore(
+        self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
+    ) -> tuple[list[bool], Actions]:
+        """Re-index shards a node already holds (start-up, or after an Evictor restart).
+
+        Shards that no longer fit (capacities shrank) or that are already indexed
+        elsewhere are refused; the node drops the refused ones.
+        """
+        accepted = []
+        actions: Actions = defaultdict(NodeActions)
+        for offer, tier in held:
+            account = self._nodes[node][tier]
+            cid = ChunkId(offer.namespace, offer.key)
+            chunk = self._chunks.get(cid)
+            fits = account.used_bytes + offer.nbytes <= account.capacity_bytes
+            if (chunk is not None and offer.rank in chunk.shards) or not fits:
+                accepted.append(False)
+                actions[node].drop.append(ShardId(offer.namespace, offer.key, offer.rank))
+                continue
+            self._add_shard(node, offer, tier)
+            accepted.append(True)
+        return accepted, dict(actions)
+
+    def forget_node(self, node: NodeId) -> Actions:
+        """A node left: its chunks are incomplete now, so drop them everywhere."""
+        doomed = {
+            UnitId(cid.namespace, boundary_of(cid.key))
+            for cid, chunk in self._chunks.items()
+            if any(s.node == node for s in chunk.shards.values())
+        }
+        actions: Actions = defaultdict(NodeActions)
+        for uid in doomed:
+            self._drop_unit(uid, actions)
         self._nodes.pop(node, None)
-        drops.pop(node, None)
-        return dict(drops)
+        actions.pop(node, None)
+        return dict(actions)
 
-    def forget_shards(self, shard_ids: list[ShardId]) -> dict[NodeId, list[ShardId]]:
-        """Shards that turned out missing or bad: their chunks are gone everywhere."""
-        drops: dict[NodeId, list[ShardId]] = defaultdict(list)
-        for shard_id in shard_ids:
-            cid = ChunkId(shard_id.namespace, shard_id.key)
-            if cid in self._chunks:
-                self._remove_chunk(cid, drops)
-        return dict(drops)
-
-    def nodes(self) -> dict[NodeId, tuple[int, int, int]]:
-        """node -> (used bytes, capacity bytes, shards)."""
-        return {n: (a.used_bytes, a.capacity_bytes, a.chunks) for n, a in self._nodes.items()}
+    def nodes(self) -> dict[NodeId, dict[TierName, tuple[int, int, int]]]:
+        """node -> tier -> (used bytes, capacity bytes, shards)."""
+        return {
+            n: {t: (a.used_bytes, a.capacity_bytes, a.shards) for t, a in tiers.items()}
+            for n, tiers in self._nodes.items()
+        }
 
     # ---- stores ------------------------------------------------------------------------
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
-        """Decide which offered shards ``node`` keeps, evicting LRU chunks to make room.
+        """Decide which offered shards ``node`` keeps in its CPU tier.
 
-        A shard is refused (a skipped store, never an error) when it is already held or
-        when only leased chunks and this batch's own chunks are left to evict.
+        Room is made by demoting to disk, then by dropping whole units, tail first. A
+        shard is refused (a skipped store, never an error) when it is already held or
+        when only leased, pinned, promoting or this batch's own units are left.
         """
-        account = self._nodes.get(node)
-        if account is None:
+        if node not in self._nodes:
             raise KeyError(f"node {node!r} is not registered with the Evictor")
-        protected = {ChunkId(o.namespace, o.key) for o in offers}
-        drops: dict[NodeId, list[ShardId]] = defaultdict(list)
+        protected = {UnitId(o.namespace, boundary_of(o.key)) for o in offers}
+        actions: Actions = defaultdict(NodeActions)
         accepted: list[bool] = []
         for offer in offers:
-            cid = ChunkId(offer.namespace, offer.key)
-            chunk = self._chunks.get(cid)
+            chunk = self._chunks.get(ChunkId(offer.namespace, offer.key))
             if chunk is not None and offer.rank in chunk.shards:
                 accepted.append(False)
                 continue
-            if not self._make_room(node, offer.nbytes, protected, now, drops):
+            if not self._make_cpu_room(node, offer.nbytes, protected, now, actions):
                 self.stats.skipped_stores += 1
                 accepted.append(False)
                 continue
-            if chunk is None:
-                chunk = self._chunks[cid] = _Chunk(offer.world_size)
-                self._policy.insert(cid)
-            chunk.shards[offer.rank] = (node, offer.nbytes)
-            account.used_bytes += offer.nbytes
-            account.chunks += 1
-            if chunk.complete:
-                self.stats.stored_chunks += 1
+            self._add_shard(node, offer, TierName.CPU)
             accepted.append(True)
-        return AdmitResult(accepted, dict(drops))
+        self._demote_to_watermark(node, protected, now, actions)
+        return AdmitResult(accepted, dict(actions))
 
-    def _make_room(
-        self,
-        node: NodeId,
-        nbytes: int,
-        protected: set[ChunkId],
-        now: float,
-        drops: dict[NodeId, list[ShardId]],
-    ) -> bool:
-        account = self._nodes[node]
-        if nbytes > account.capacity_bytes:
-            return False
-        if account.used_bytes + nbytes <= account.capacity_bytes:
+    def _add_shard(self, node: NodeId, offer: ShardOffer, tier: TierName) -> None:
+        cid = ChunkId(offer.namespace, offer.key)
+        chunk = self._chunks.get(cid)
+        if chunk is None:
+            parent = ChunkKey(offer.parent) if offer.parent is not None else None
+            chunk = self._chunks[cid] = _Chunk(offer.world_size, parent)
+            self._link(cid, chunk)
+        chunk.shards[offer.rank] = _Shard(node, offer.nbytes, tier)
+        account = self._nodes[node][tier]
+        account.used_bytes += offer.nbytes
+        account.shards += 1
+        if chunk.complete:
+            self.stats.stored_chunks += 1
+
+    def _link(self, cid: ChunkId, chunk: _Chunk) -> None:
+        uid = UnitId(cid.namespace, boundary_of(cid.key))
+        unit = self._units.get(uid)
+        if unit is None:
+            unit = self._units[uid] = _Unit()
+            self._policy.insert(uid)
+            for child in self._orphans.pop(uid, set()):  # children that arrived first
+                self._units[child].waiting_for.discard(uid)
+                self._units[child].parents.add(uid)
+                unit.children.add(child)
+        unit.keys.add(cid.key)
+        if chunk.parent is not None:
+            puid = UnitId(cid.namespace, boundary_of(chunk.parent))
+            if puid == uid:
+                return
+            if puid in self._units:
+                unit.parents.add(puid)
+                self._units[puid].children.add(uid)
+            else:
+                self._orphans[puid].add(uid)
+                unit.waiting_for.add(puid)
+
+    # ---- making room -------------------------------------------------------------------
+    def _blocked(self, uid: UnitId, protected: set[UnitId], now: float) -> bool:
+        if uid in protected:
             return True
-        for cid in self._policy.candidates():
-            chunk = self._chunks[cid]
-            if cid in protected or self._is_leased(cid, now):
-                continue
-            if not any(n == node for n, _ in chunk.shards.values()):
-                continue
-            self._remove_chunk(cid, drops)
-            self.stats.evicted_chunks += 1
-            if account.used_bytes + nbytes <= account.capacity_bytes:
+        for key in self._units[uid].keys:
+            cid = ChunkId(uid.namespace, key)
+            if self._is_leased(cid, now) or any(
+                s.promoting for s in self._chunks[cid].shards.values()
+            ):
                 return True
         return False
 
-    def _remove_chunk(self, cid: ChunkId, drops: dict[NodeId, list[ShardId]]) -> None:
-        chunk = self._chunks.pop(cid)
-        self._policy.remove(cid)
-        self._leases.pop(cid, None)
-        for rank, (node, nbytes) in chunk.shards.items():
-            account = self._nodes.get(node)
-            if account is not None:
-                account.used_bytes -= nbytes
-                account.chunks -= 1
-            drops[node].append(ShardId(cid.namespace, cid.key, rank))
+    def _unit_shards(self, uid: UnitId) -> list[tuple[ShardId, _Shard]]:
+        return [
+            (ShardId(uid.namespace, key, rank), shard)
+            for key in self._units[uid].keys
+            for rank, shard in self._chunks[ChunkId(uid.namespace, key)].shards.items()
+        ]
 
-    # ---- lookups and leases --------------------------------------------------------------
+    def _has_tier(self, uid: UnitId, tier: TierName, node: NodeId | None = None) -> bool:
+        return any(
+            s.tier == tier and (node is None or s.node == node) for _, s in self._unit_shards(uid)
+        )
+
+    def _make_cpu_room(
+        self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
+    ) -> bool:
+        cpu = self._nodes[node][TierName.CPU]
+        if nbytes > cpu.capacity_bytes:
+            return False
+        if cpu.used_bytes + nbytes <= cpu.capacity_bytes:
+            return True
+        for uid in self._policy.candidates():
+            if cpu.used_bytes + nbytes <= cpu.capacity_bytes:
+                return True
+            if uid not in self._units or not self._has_tier(uid, TierName.CPU, node):
+                continue
+            if self._blocked(uid, protected, now):
+                continue
+            if self._cpu_leaf(uid) and self._demote(uid, node, protected, now, actions):
+                continue
+            if not self._units[uid].children:  # a tail: safe to drop everywhere
+                self._drop_unit(uid, actions)
+                self.stats.evicted_chunks += 1
+        return cpu.used_bytes + nbytes <= cpu.capacity_bytes
+
+    def _cpu_leaf(self, uid: UnitId) -> bool:
+        """No child unit still has a CPU shard: demoting this one keeps heads above tails."""
+        return not any(self._has_tier(c, TierName.CPU) for c in self._units[uid].children)
+
+    def _demote(
+        self, uid: UnitId, node: NodeId, protected: set[UnitId], now: float, actions: Actions
+    ) -> bool:
+        """Move ``uid``'s CPU shards on ``node`` to its disk, dropping disk tails for room."""
+        moving = [
+            (sid, s)
+            for sid, s in self._unit_shards(uid)
+            if s.node == node and s.tier == TierName.CPU
+        ]
+        nbytes = sum(s.nbytes for _, s in moving)
+        if not self._make_disk_room(node, nbytes, protected | {uid}, now, actions):
+            return False
+        tiers = self._nodes[node]
+        for shard_id, shard in moving:
+            shard.tier = TierName.DISK
+            tiers[TierName.CPU].used_bytes -= shard.nbytes
+            tiers[TierName.CPU].shards -= 1
+            tiers[TierName.DISK].used_bytes += shard.nbytes
+            tiers[TierName.DISK].shards += 1
+            actions[node].demote.append(shard_id)
+            self.stats.demoted_shards += 1
+        return True
+
+    def _make_disk_room(
+        self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
+    ) -> bool:
+        disk = self._nodes[node][TierName.DISK]
+        if nbytes > disk.capacity_bytes:
+            return False
+        for uid in self._policy.candidates():
+            if disk.used_bytes + nbytes <= disk.capacity_bytes:
+                return True
+            if uid not in self._units or self._units[uid].children:
+                continue
+            if not self._has_tier(uid, TierName.DISK, node) or self._blocked(uid, protected, now):
+                continue
+            self._drop_unit(uid, actions)
+            self.stats.evicted_chunks += 1
+        return disk.used_bytes + nbytes <= disk.capacity_bytes
+
+    def _demote_to_watermark(
+        self, node: NodeId, protected: set[UnitId], now: float, actions: Actions
+    ) -> None:
+        tiers = self._nodes[node]
+        cpu = tiers[TierName.CPU]
+        if tiers[TierName.DISK].capacity_bytes == 0:
+            return
+        if cpu.used_bytes <= self._watermarks.high * cpu.capacity_bytes:
+            return
+        target = self._watermarks.low * cpu.capacity_bytes
+        for uid in self._policy.candidates():
+            if cpu.used_bytes <= target:
+                return
+            if uid not in self._units or not self._has_tier(uid, TierName.CPU, node):
+                continue
+            if not self._blocked(uid, protected, now) and self._cpu_leaf(uid):
+                self._demote(uid, node, protected, now, actions)
+
+    def _drop_unit(self, uid: UnitId, actions: Actions) -> None:
+        unit = self._units.pop(uid)
+        self._policy.remove(uid)
+        for key in unit.keys:
+            cid = ChunkId(uid.namespace, key)
+            chunk = self._chunks.pop(cid)
+            self._leases.pop(cid, None)
+            for rank, shard in chunk.shards.items():
+                account = self._nodes.get(shard.node, {}).get(shard.tier)
+                if account is not None:
+                    account.used_bytes -= shard.nbytes
+                    account.shards -= 1
+                actions[shard.node].drop.append(ShardId(uid.namespace, key, rank))
+        for parent in unit.parents:
+            self._units[parent].children.discard(uid)
+        for parent in unit.waiting_for:
+            self._orphans[parent].discard(uid)
+            if not self._orphans[parent]:
+                del self._orphans[parent]
+        for child in unit.children:  # only when forced (corruption, node loss)
+            self._units[child].parents.discard(uid)
+            self._units[child].waiting_for.add(uid)
+            self._orphans[uid].add(child)  # re-linked if this boundary comes back
+
+    # ---- lookups, promotion and leases -------------------------------------------------
     def lookup(
         self,
         namespace: Namespace,
@@ -186,21 +405,81 @@ class ChunkIndex:
         holder: str,
         now: float,
         lease_ttl_s: float,
-    ) -> list[dict[int, NodeId] | None]:
-        """Per key: rank -> node of each shard (a HIT, now leased to ``holder``), or None."""
-        answers: list[dict[int, NodeId] | None] = []
+    ) -> tuple[list[LookupAnswer], Actions]:
+        """Answer each key; a chunk with shards on disk is promoted first (PENDING).
+
+        A HIT and a PENDING are leased to ``holder``, so they stay until loaded.
+        """
+        answers: list[LookupAnswer] = []
+        actions: Actions = defaultdict(NodeActions)
+        protected = {UnitId(namespace, boundary_of(k)) for k in keys}
         for key in keys:
             cid = ChunkId(namespace, key)
             chunk = self._chunks.get(cid)
             if chunk is None or not chunk.complete:
                 self.stats.misses += 1
-                answers.append(None)
+                answers.append(LookupAnswer(LookupState.MISS))
+                continue
+            on_disk = [(r, s) for r, s in chunk.shards.items() if s.tier == TierName.DISK]
+            if on_disk and not self._promote(cid, on_disk, protected, now, actions):
+                self.stats.misses += 1
+                answers.append(LookupAnswer(LookupState.MISS))
+                continue
+            self._leases[cid][holder] = now + lease_ttl_s
+            self._policy.touch(UnitId(namespace, boundary_of(key)))
+            if any(s.promoting for s in chunk.shards.values()):
+                answers.append(LookupAnswer(LookupState.PENDING))
                 continue
             self.stats.hits += 1
-            self._policy.touch(cid)
-            self._leases[cid][holder] = now + lease_ttl_s
-            answers.append({rank: node for rank, (node, _) in chunk.shards.items()})
-        return answers
+            answers.append(
+                LookupAnswer(LookupState.HIT, {r: s.node for r, s in chunk.shards.items()})
+            )
+        return answers, dict(actions)
+
+    def _promote(
+        self,
+        cid: ChunkId,
+        on_disk: list[tuple[int, _Shard]],
+        protected: set[UnitId],
+        now: float,
+        actions: Actions,
+    ) -> bool:
+        for _, shard in on_disk:
+            if not self._make_cpu_room(shard.node, shard.nbytes, protected, now, actions):
+                return False
+        for rank, shard in on_disk:
+            tiers = self._nodes[shard.node]
+            tiers[TierName.DISK].used_bytes -= shard.nbytes
+            tiers[TierName.DISK].shards -= 1
+            tiers[TierName.CPU].used_bytes += shard.nbytes
+            tiers[TierName.CPU].shards += 1
+            shard.tier = TierName.CPU
+            shard.promoting = True
+            actions[shard.node].promote.append(ShardId(cid.namespace, cid.key, rank))
+        return True
+
+    def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> Actions:
+        """A node reports its promotions; a failed one (corrupt, missing) drops the unit."""
+        for shard_id in done:
+            chunk = self._chunks.get(ChunkId(shard_id.namespace, shard_id.key))
+            if chunk is not None and shard_id.rank in chunk.shards:
+                chunk.shards[shard_id.rank].promoting = False
+                self.stats.promoted_shards += 1
+        self.stats.corrupt_before_hit += len(failed)
+        return self.forget_shards(failed)
+
+    def report_corrupt_after_hit(self, shard_ids: list[ShardId]) -> Actions:
+        self.stats.corrupt_after_hit += len(shard_ids)
+        return self.forget_shards(shard_ids)
+
+    def forget_shards(self, shard_ids: list[ShardId]) -> Actions:
+        """Shards that turned out missing or bad: their units are gone everywhere."""
+        actions: Actions = defaultdict(NodeActions)
+        for shard_id in shard_ids:
+            uid = UnitId(shard_id.namespace, boundary_of(shard_id.key))
+            if uid in self._units:
+                self._drop_unit(uid, actions)
+        return dict(actions)
 
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, now: float, ttl_s: float
@@ -246,13 +525,17 @@ class ChunkIndex:
     def record_loaded(self, n_chunks: int) -> None:
         self.stats.loaded_chunks += n_chunks
 
-    def shards_on(self, node: NodeId) -> set[ShardId]:
+    def shards_on(self, node: NodeId) -> dict[ShardId, TierName]:
         return {
-            ShardId(cid.namespace, cid.key, rank)
+            ShardId(cid.namespace, cid.key, rank): shard.tier
             for cid, chunk in self._chunks.items()
-            for rank, (n, _) in chunk.shards.items()
-            if n == node
+            for rank, shard in chunk.shards.items()
+            if shard.node == node
         }
+
+    def units(self) -> dict[UnitId, tuple[set[UnitId], set[UnitId]]]:
+        """unit -> (parents, children), for tests and status."""
+        return {uid: (set(u.parents), set(u.children)) for uid, u in self._units.items()}
 
     def __len__(self) -> int:
         return len(self._chunks)

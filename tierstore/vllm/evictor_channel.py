@@ -15,14 +15,15 @@ from typing import Any
 
 import ray
 
-from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.control.index import LookupAnswer, LookupState
+from tierstore.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0  # an answer later than this is treated as a failure
 _STOP = object()
 
-Answers = list[dict[int, NodeId] | None]
+Answers = list[LookupAnswer]
 
 
 class EvictorChannel:
@@ -98,4 +99,5 @@ class EvictorChannel:
                         exc_info=True,
                     )
             if on_done is not None:
-                on_done(result if result is not None else [None] * n_keys)
+                missed = [LookupAnswer(LookupState.MISS)] * n_keys
+                on_done(result if result is not None else missed)

@@ -32,8 +32,9 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierstore.config import TierStoreConfig
+from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.keys import ChunkKey, Namespace, NodeId, group_of
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
@@ -45,11 +46,21 @@ logger = logging.getLogger(__name__)
 _KNOWN_STORED_MAX = 1_000_000
 # A MISS is trusted this long, then asked again: another engine may have stored it since.
 _MISS_TTL_S = 1.0
+# A chunk being promoted from disk is asked about again after this long.
+_PENDING_RETRY_S = 0.005
+
+
+_RESULTS = {
+    LookupState.HIT: LookupResult.HIT,
+    LookupState.MISS: LookupResult.MISS,
+    LookupState.PENDING: LookupResult.RETRY,  # promotion from disk under way
+}
 
 
 @dataclass
 class _Answer:
-    where: dict[int, NodeId] | None  # rank -> node of a HIT; None = MISS
+    state: LookupState
+    where: dict[int, NodeId] | None  # rank -> node of a HIT
     expires_at: float
 
 
@@ -61,13 +72,23 @@ class _RequestState:
     unsent: list[ChunkKey] = field(default_factory=list)
     leased: set[ChunkKey] = field(default_factory=set)
     loading: set[ChunkKey] = field(default_factory=set)
+    # (group, end token) -> key, to name each stored chunk's parent in its chain.
+    positions: dict[tuple[int, int], ChunkKey] = field(default_factory=dict)
     finished: bool = False
 
 
 class TierStoreManager(OffloadingManager):
-    def __init__(self, cfg: TierStoreConfig, namespace: Namespace, channel: EvictorChannel) -> None:
+    def __init__(
+        self,
+        cfg: TierStoreConfig,
+        namespace: Namespace,
+        channel: EvictorChannel,
+        tokens_per_chunk: dict[int, int] | None = None,
+    ) -> None:
+        """``tokens_per_chunk``: original group id -> tokens one chunk of it covers."""
         self._cfg = cfg
         self._namespace = namespace
+        self._tokens_per_chunk = tokens_per_chunk or {}
         self._channel = channel
         self._lock = threading.RLock()
         self._id = uuid.uuid4().hex[:12]
@@ -93,14 +114,27 @@ class TierStoreManager(OffloadingManager):
             self._requests[req_context.req_id] = state
         return state
 
+    def _remember_position(self, state: _RequestState, key: ChunkKey, ctx: ReqContext) -> None:
+        end = ctx.get_offload_key_position(key)
+        if end is not None:
+            state.positions[(group_of(key), end)] = key
+
+    def _parent(self, state: _RequestState, key: ChunkKey, ctx: ReqContext) -> ChunkKey | None:
+        end = ctx.get_offload_key_position(key)
+        step = self._tokens_per_chunk.get(group_of(key))
+        if end is None or not step:
+            return None
+        return state.positions.get((group_of(key), end - step))
+
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
             state = self._state(req_context)
+            self._remember_position(state, key, req_context)
             answer = state.answers.get(key)
             if answer is not None:
                 if answer.expires_at > time.monotonic():
-                    return LookupResult.HIT if answer.where is not None else LookupResult.MISS
+                    return _RESULTS[answer.state]
                 del state.answers[key]
                 state.leased.discard(key)
             if key not in state.pending:
@@ -124,28 +158,32 @@ class TierStoreManager(OffloadingManager):
                         lambda answers, r=req_id, k=keys: self._on_answers(r, k, answers),
                     )
 
-    def _on_answers(
-        self, req_id: str, keys: list[ChunkKey], answers: list[dict[int, NodeId] | None]
-    ) -> None:
+    def _on_answers(self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer]) -> None:
         """Runs on the channel's thread."""
         now = time.monotonic()
-        hit_ttl = self._cfg.lease_ttl_s / 2  # re-ask well before the Evictor's lease ends
+        ttls = {
+            LookupState.HIT: self._cfg.lease_ttl_s / 2,  # re-ask well before the lease ends
+            LookupState.MISS: _MISS_TTL_S,
+            LookupState.PENDING: _PENDING_RETRY_S,
+        }
         with self._lock:
             state = self._requests.get(req_id)
             if state is None:  # finished meanwhile: give the leases back
-                hits = [k for k, a in zip(keys, answers, strict=True) if a is not None]
-                if hits:
-                    self._channel.release(self._namespace, hits, f"{self._id}/{req_id}")
+                held = [
+                    k for k, a in zip(keys, answers, strict=True) if a.state != LookupState.MISS
+                ]
+                if held:
+                    self._channel.release(self._namespace, held, f"{self._id}/{req_id}")
                 return
-            for key, where in zip(keys, answers, strict=True):
+            for key, (answer_state, where) in zip(keys, answers, strict=True):
+                answer_state = LookupState(answer_state)
                 state.pending.discard(key)
-                ttl = hit_ttl if where is not None else _MISS_TTL_S
-                state.answers[key] = _Answer(where, now + ttl)
-                if where is not None:
-                    state.leased.add(key)
-                else:
+                state.answers[key] = _Answer(answer_state, where, now + ttls[answer_state])
+                if answer_state == LookupState.MISS:
                     # Evicted (or never stored): let the next prepare_store offer it again.
                     self._known_stored.pop(key, None)
+                else:
+                    state.leased.add(key)
 
     @override
     def has_pending_work(self) -> bool:
@@ -161,7 +199,7 @@ class TierStoreManager(OffloadingManager):
             where = []
             for key in ordered:
                 answer = state.answers.get(key)
-                if answer is None or answer.where is None:
+                if answer is None or answer.state != LookupState.HIT or answer.where is None:
                     raise TierStoreError(
                         f"prepare_load for {key.hex()} of request {req_context.req_id}, "
                         "which was never a HIT"
@@ -207,11 +245,15 @@ class TierStoreManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput:
         with self._lock:
+            state = self._state(req_context)
+            for key in keys:
+                self._remember_position(state, key, req_context)
             fresh = [k for k in keys if k not in self._known_stored and k not in self._storing]
             self._storing.update(fresh)
+            parents = tuple(self._parent(state, k, req_context) for k in fresh)
             return PrepareStoreOutput(
                 keys_to_store=fresh,
-                store_spec=StoreSpec(self._namespace, tuple(fresh)),
+                store_spec=StoreSpec(self._namespace, tuple(fresh), parents),
                 evicted_keys=[],
             )
 

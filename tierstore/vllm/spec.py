@@ -84,7 +84,12 @@ class TierStoreSpec(OffloadingSpec):
         connect(self.store_config)
         evictor = get_or_create_evictor(self.store_config)
         logger.info("tierstore manager: namespace %s", self.namespace)
-        return TierStoreManager(self.store_config, self.namespace, EvictorChannel(evictor))
+        tokens_per_chunk = {
+            g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
+        }
+        return TierStoreManager(
+            self.store_config, self.namespace, EvictorChannel(evictor), tokens_per_chunk
+        )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         connect(self.store_config)

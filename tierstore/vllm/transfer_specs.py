@@ -17,6 +17,9 @@ from tierstore.keys import ChunkKey, Namespace, NodeId
 class StoreSpec(LoadStoreSpec):
     namespace: Namespace
     keys: tuple[ChunkKey, ...]
+    # Previous chunk key of the same group in the request's prefix chain, when known:
+    # the Evictor evicts chains tail first.
+    parents: tuple[ChunkKey | None, ...] = ()
 
 
 @dataclass(frozen=True)

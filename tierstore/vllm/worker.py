@@ -104,11 +104,17 @@ class TierStoreWorker(OffloadingWorker):
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
+        parents = spec.parents or (None,) * len(spec.keys)
         entries = [
             ShardEntry(
-                key, c.offset, c.nbytes, digest(buffer[c.offset : c.offset + c.nbytes]), c.slot_mask
+                key,
+                c.offset,
+                c.nbytes,
+                digest(buffer[c.offset : c.offset + c.nbytes]),
+                c.slot_mask,
+                parent,
             )
-            for key, c in zip(spec.keys, plan.chunks, strict=True)
+            for key, c, parent in zip(spec.keys, plan.chunks, parents, strict=True)
         ]
         ref = ray.put(buffer)
         kept = ray.get(

@@ -7,3 +7,4 @@ POLICIES: Registry[EvictionPolicy] = Registry("eviction policy", EvictionPolicy)
 
 # Built-ins, registered last so the registry exists first.
 POLICIES.register("lru", "tierstore.control.policies.lru", "LRUPolicy")
+POLICIES.register("arc", "tierstore.control.policies.arc", "ARCPolicy")

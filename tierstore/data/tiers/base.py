@@ -18,6 +18,8 @@ class ShardMeta:
     nbytes: int
     digest: int  # xxh3-64 of the bytes, computed by the producing worker
     slot_mask: int  # bit i set = sub-slot i of the chunk holds data that was written
+    world_size: int = 1  # ranks that make the chunk whole (kept for restart recovery)
+    parent: bytes | None = None  # previous chunk key of the same group in its prefix chain
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,120 @@
+"""The NodeStore actor: Ray around :class:`~actors.node_store.NodeStoreCore`."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+from typing import IO
+
+import ray
+
+from actors.node_store import NodeStoreCore, ShardEntry
+from tierstore.config import TierStoreConfig
+from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
+from tierstore.data.tiers.base import ShardMeta
+from tierstore.data.tiers.disk import DiskTier
+from tierstore.data.tiers.memory import MemoryTier
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+
+logger = logging.getLogger(__name__)
+
+
+class RayEvictorPort:
+    """The Evictor actor seen from a NodeStore: admits wait, reports are one-way."""
+
+    def __init__(self, evictor: ray.actor.ActorHandle) -> None:
+        self._evictor = evictor
+
+    def admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult:
+        accepted, actions = ray.get(self._evictor.admit.remote(node, offers))
+        return AdmitResult(accepted, {node: actions})
+
+    def restore(
+        self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
+    ) -> tuple[list[bool], NodeActions]:
+        return ray.get(self._evictor.restore.remote(node, held))
+
+    def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        self._evictor.promoted.remote(node, done, failed)
+
+    def forget(self, node: NodeId, shard_ids: list[ShardId]) -> None:
+        self._evictor.forget_shards.remote(node, shard_ids)
+
+    def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None:
+        self._evictor.report_corrupt_after_hit.remote(node, shard_ids)
+
+
+def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
+    """``root`` itself when this is the only NodeStore on the machine (so a restarted
+    cluster, whose node ids are new, finds its chunks), else ``root/node-<id>``."""
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (root, root / f"node-{node_id}"):
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = open(path / ".lock", "w")  # held for the actor's lifetime
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return path, lock
+        except BlockingIOError:
+            lock.close()
+            logger.warning("%s is used by another NodeStore on this machine", path)
+    raise RuntimeError(f"cannot claim a disk tier directory under {root}")
+
+
+class NodeStore:
+    def __init__(self, node_id: str, cfg: TierStoreConfig, evictor_name: str) -> None:
+        evictor = ray.get_actor(evictor_name, namespace=cfg.namespace)
+        ray.get(
+            evictor.register_node.remote(node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node)
+        )
+        disk = None
+        self._lock = None
+        if cfg.disk_bytes_per_node > 0 and cfg.disk_path:
+            path, self._lock = _claim_disk_dir(Path(os.path.expanduser(cfg.disk_path)), node_id)
+            disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync)
+        self._core = NodeStoreCore(
+            NodeId(node_id), MemoryTier(cfg.cpu_bytes_per_node), disk, RayEvictorPort(evictor)
+        )
+        recovered = self._core.register_inventory()
+        if recovered:
+            logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
+
+    def store(
+        self,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+        buffer_ref: list[ray.ObjectRef],
+    ) -> int:
+        # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
+        # zero-copy, and let the core copy out what it keeps.
+        buffer = ray.get(buffer_ref[0])
+        return self._core.store(
+            namespace, rank, world_size, [ShardEntry(*e) for e in entries], buffer
+        )
+
+    def load(
+        self, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> tuple[list[ray.ObjectRef], list[ShardMeta]]:
+        data, metas = self._core.load(namespace, rank, keys)
+        # Returning the array would copy it per call; a ref in a list does not.
+        return [ray.put(data)], metas
+
+    def apply(self, actions: NodeActions) -> None:
+        self._core.apply(actions)
+
+    def inventory(self) -> dict[ShardId, TierName]:
+        return self._core.inventory()
+
+    def status(self) -> dict[str, object]:
+        return self._core.status()
+
+    def disk_file_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> str:
+        """Where a shard's file lies (tests corrupt it on purpose)."""
+        assert self._core.disk is not None
+        return str(self._core.disk.path_of(ShardId(namespace, key, rank)))
+
+    def corrupt_in_memory_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> None:
+        self._core.corrupt_in_memory(ShardId(namespace, key, rank))

@@ -1,0 +1,124 @@
+"""The disk tier behind the real actors: demotion, promotion before HIT, restarts, corruption."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from actors.bootstrap import find_node_store, get_or_create_evictor, shutdown_actors
+from deploy.cli import collect_status
+from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
+from tierstore.config import TierStoreConfig
+from tierstore.control.index import LookupState
+from tierstore.vllm.transfer_specs import StoreSpec
+
+CHUNK = 2 * 96  # one chunk of group 0 in the shared test layout
+
+
+@pytest.fixture
+def disk_cfg(cfg: TierStoreConfig, tmp_path: Path) -> Iterator[TierStoreConfig]:
+    yield dataclasses.replace(
+        cfg,
+        cpu_bytes_per_node=4 * CHUNK,
+        disk_path=str(tmp_path / "disk"),
+        disk_bytes_per_node=64 * CHUNK,
+        cpu_high_watermark=1.0,
+        cpu_low_watermark=1.0,
+    )
+
+
+def _store_chunks(worker, n: int, start: int = 0) -> list:  # type: ignore[no-untyped-def]
+    keys = []
+    for i in range(start, start + n):
+        (key,) = _keys(1, 0, start=i)
+        src = GPULoadStoreSpec([1 + i % 8, 2 + i % 8], group_sizes=[2, 0], block_indices=[0, 0])
+        worker.submit_store(1000 + i, src, StoreSpec(NS, (key,)))
+        keys.append(key)
+    assert len(_drain(worker, n)) == n
+    return keys
+
+
+def _wait_status(cfg: TierStoreConfig, check, timeout: float = 10.0) -> dict:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        status = collect_status(cfg.namespace)
+        if check(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
+def test_cold_chunks_go_to_disk_and_come_back_exact(disk_cfg: TierStoreConfig) -> None:
+    kv = _kv()
+    original = kv[0].clone()
+    worker = _worker(disk_cfg, kv)
+    keys = _store_chunks(worker, 10)
+    status = _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 6)
+    node = status["nodes"][0]
+    assert node["cpu"]["chunks"] == 4 and node["disk"]["chunks"] == 6
+    assert node["disk"]["used_bytes"] == 6 * CHUNK
+    assert len(list(Path(disk_cfg.disk_path).rglob("*.chunk"))) == 6
+
+    # The oldest chunk is on disk: it is promoted before it is a HIT, then loads exact.
+    spec = _load_spec(disk_cfg, keys[:1])
+    kv[0].zero_()
+    dst = GPULoadStoreSpec([30, 31], group_sizes=[2, 0], block_indices=[0, 0])
+    worker.submit_load(1, spec, dst)
+    assert _drain(worker, 1) == [1]
+    assert torch.equal(kv[0][30:32, :96], original[1:3, :96])
+    assert collect_status(disk_cfg.namespace)["totals"]["promoted_shards"] >= 1
+
+
+def test_chunks_on_disk_survive_a_restart_of_every_actor(disk_cfg: TierStoreConfig) -> None:
+    worker = _worker(disk_cfg, _kv())
+    keys = _store_chunks(worker, 10)
+    _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 6)
+    shutdown_actors(disk_cfg.namespace)  # Evictor and NodeStore gone: the index is lost
+
+    restarted = _worker(disk_cfg, _kv())  # starts fresh actors on the same disk_path
+    ray.get(restarted._local_store.status.remote())
+    status = collect_status(disk_cfg.namespace)
+    assert status["nodes"][0]["disk"]["chunks"] == 6
+    assert status["totals"]["indexed_chunks"] == 6
+    assert _lookup(disk_cfg, keys[:1]) == [LookupState.PENDING]  # promotion under way
+    _load_spec(disk_cfg, keys[:4])  # as many as the CPU tier holds hit again at once
+    evictor = get_or_create_evictor(disk_cfg)
+    ray.get(evictor.release_holder.remote("test"))
+    _load_spec(disk_cfg, keys[4:6])  # and the rest, once the first ones may go back down
+
+
+def test_flipped_and_truncated_files_become_misses_and_are_counted(
+    disk_cfg: TierStoreConfig,
+) -> None:
+    worker = _worker(disk_cfg, _kv())
+    keys = _store_chunks(worker, 10)
+    _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 6)
+    store = find_node_store(disk_cfg.namespace, ray.get_runtime_context().get_node_id())
+    flipped = Path(ray.get(store.disk_file_for_test.remote(NS, keys[0], 0)))
+    truncated = Path(ray.get(store.disk_file_for_test.remote(NS, keys[1], 0)))
+    raw = bytearray(flipped.read_bytes())
+    raw[-1] ^= 0x40
+    flipped.write_bytes(bytes(raw))
+    os.truncate(truncated, truncated.stat().st_size - 3)
+
+    deadline = time.monotonic() + 10
+    states: list[LookupState] = []
+    while time.monotonic() < deadline:
+        states = _lookup(disk_cfg, keys[:2])
+        if states == [LookupState.MISS, LookupState.MISS]:
+            break
+        time.sleep(0.02)
+    assert states == [LookupState.MISS, LookupState.MISS]
+    status = collect_status(disk_cfg.namespace)
+    assert status["totals"]["corrupt_before_hit"] == 2
+    assert status["nodes"][0]["stats"]["corrupt_before_hit"] == 2
+    assert not flipped.exists() and not truncated.exists()
+    evictor = get_or_create_evictor(disk_cfg)
+    assert ray.get(evictor.status.remote())["chunks"] == 8
