@@ -91,7 +91,7 @@ class Evictor:
     def forget_node(self, node_id: str) -> None:
         self._send(self._index.forget_node(NodeId(node_id)))
 
-    def index_view(self, node_id: str) -> dict[ShardId, TierName]:
+    def index_view(self, node_id: str) -> set[tuple[ShardId, TierName]]:
         """What the index believes ``node_id`` holds (tests compare it with the node)."""
         return self._index.shards_on(NodeId(node_id))
 

@@ -11,6 +11,7 @@ the core carries it out and reports what failed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -91,7 +92,14 @@ class NodeStoreCore:
     cpu: MemoryTier
     disk: DiskTier | None
     evictor: EvictorPort
+    # Runs actions later (the actor queues them to itself, after the store is
+    # acknowledged, so write-through never delays a store); default: right away.
+    defer: Callable[[NodeActions], None] | None = None
     stats: NodeStoreStats = field(default_factory=NodeStoreStats)
+
+    def __post_init__(self) -> None:
+        if self.defer is None:
+            self.defer = self.apply
 
     # ---- start-up ----------------------------------------------------------------------
     def register_inventory(self) -> int:
@@ -126,7 +134,10 @@ class NodeStoreCore:
             ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
         ]
         decision = self.evictor.admit(self.node_id, offers)
-        self.apply(decision.actions.get(self.node_id, NodeActions()))
+        own = decision.actions.get(self.node_id, NodeActions())
+        # Room first; the write-through copies only once the shards are in memory.
+        persist = own.persist
+        self.apply(NodeActions(drop=own.drop, demote=own.demote, promote=own.promote))
         kept = 0
         lost: list[ShardId] = []
         for entry, accepted in zip(entries, decision.accepted, strict=True):
@@ -153,16 +164,19 @@ class NodeStoreCore:
             self.stats.stored_bytes += entry.nbytes
         if lost:
             self.evictor.forget(self.node_id, lost)
+        if persist:
+            self.defer(NodeActions(persist=persist))
         return kept
 
     # ---- the Evictor's decisions ---------------------------------------------------------
     def apply(self, actions: NodeActions) -> None:
-        """Drop, then demote, then promote: each step makes the room the next one needs."""
+        """Drop, demote, promote, persist: each step makes the room the next one needs."""
         self.drop(actions.drop)
         lost = [s for s in map(_shard_id, actions.demote) if not self._demote(s)]
         done, failed = [], []
         for shard_id in map(_shard_id, actions.promote):
             (done if self._promote(shard_id) else failed).append(shard_id)
+        lost += [s for s in map(_shard_id, actions.persist) if not self._persist(s)]
         if lost:
             self.evictor.forget(self.node_id, lost)
         if done or failed:
@@ -177,19 +191,36 @@ class NodeStoreCore:
             self.stats.dropped_shards += 1
         return freed
 
-    def _demote(self, shard_id: ShardId) -> bool:
-        if self.disk is None or shard_id not in self.cpu:
-            return shard_id in (self.disk or ())
+    def _write_to_disk(self, shard_id: ShardId) -> bool:
+        """Copy a memory shard to disk (once); False if it cannot be written."""
+        if self.disk is None:
+            return False
+        if shard_id in self.disk:
+            return True
+        if shard_id not in self.cpu:
+            return False
         try:
             self.disk.put(shard_id, self.cpu.get(shard_id))
         except (TierFullError, ValueError):
-            logger.warning("demotion of %s failed; dropping it", shard_id.key.hex(), exc_info=True)
-            self.cpu.delete(shard_id)
+            logger.warning("writing %s to disk failed", shard_id.key.hex(), exc_info=True)
             self.stats.failed_demotions += 1
             return False
-        self.cpu.delete(shard_id)
-        self.stats.demoted_shards += 1
         return True
+
+    def _demote(self, shard_id: ShardId) -> bool:
+        """Free the memory copy; written first if it is not on disk yet."""
+        written = self._write_to_disk(shard_id)
+        self.cpu.delete(shard_id)
+        if written:
+            self.stats.demoted_shards += 1
+        return written
+
+    def _persist(self, shard_id: ShardId) -> bool:
+        """Write-through after a store: the memory copy stays."""
+        if self._write_to_disk(shard_id):
+            return True
+        self.drop([shard_id])  # the index expected a disk copy: keep the two in step
+        return False
 
     def _promote(self, shard_id: ShardId) -> bool:
         """Disk -> CPU, verified: a corrupt or truncated file becomes a miss, never a HIT."""
@@ -199,7 +230,7 @@ class NodeStoreCore:
             return False
         try:
             shard = self.disk.get(shard_id)  # verifies length and checksum
-            self.cpu.put(shard_id, shard)
+            self.cpu.put(shard_id, shard)  # the disk copy stays: a later demotion is free
         except ChunkCorruptError:
             logger.warning(
                 "corrupt chunk file for %s removed; it will be recomputed",
@@ -211,7 +242,6 @@ class NodeStoreCore:
         except TierFullError:
             logger.warning("no CPU room to promote %s", shard_id.key.hex(), exc_info=True)
             return False
-        self.disk.delete(shard_id)
         self.stats.promoted_shards += 1
         return True
 
@@ -255,10 +285,11 @@ class NodeStoreCore:
         )
 
     # ---- introspection -------------------------------------------------------------------
-    def inventory(self) -> dict[ShardId, TierName]:
-        held = {s: TierName.CPU for s, _ in self.cpu.items()}
+    def inventory(self) -> set[tuple[ShardId, TierName]]:
+        """Every copy this node holds."""
+        held = {(s, TierName.CPU) for s, _ in self.cpu.items()}
         if self.disk is not None:
-            held.update({s: TierName.DISK for s, _ in self.disk.items()})
+            held |= {(s, TierName.DISK) for s, _ in self.disk.items()}
         return held
 
     def status(self) -> dict[str, object]:

@@ -73,8 +73,13 @@ class NodeStore:
         if cfg.disk_bytes_per_node > 0 and cfg.disk_path:
             path, self._lock = _claim_disk_dir(Path(os.path.expanduser(cfg.disk_path)), node_id)
             disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync)
+        me = ray.get_runtime_context().current_actor
         self._core = NodeStoreCore(
-            NodeId(node_id), MemoryTier(cfg.cpu_bytes_per_node), disk, RayEvictorPort(evictor)
+            NodeId(node_id),
+            MemoryTier(cfg.cpu_bytes_per_node),
+            disk,
+            RayEvictorPort(evictor),
+            defer=lambda actions: me.apply.remote(actions),
         )
         recovered = self._core.register_inventory()
         if recovered:
@@ -105,7 +110,7 @@ class NodeStore:
     def apply(self, actions: NodeActions) -> None:
         self._core.apply(actions)
 
-    def inventory(self) -> dict[ShardId, TierName]:
+    def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()
 
     def status(self) -> dict[str, object]:

@@ -131,17 +131,29 @@ def test_forgetting_a_node_drops_its_chunks_elsewhere() -> None:
     assert A not in index.nodes()
 
 
-def test_full_cpu_demotes_to_disk_and_full_disk_drops_tails() -> None:
+def test_stores_are_written_through_and_a_full_cpu_frees_its_tails_first() -> None:
     index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
     index.register_node(A, 200, 200)
-    index.admit(A, [offer(0), offer(1, parent=0)], now=0)  # a chain 0 <- 1
+    first = index.admit(A, [offer(0), offer(1, parent=0)], now=0)  # a chain 0 <- 1
+    assert first.actions[A].persist == [sid(0), sid(1)]
+    assert index.nodes()[A] == {CPU: (200, 200, 2), DISK: (200, 200, 2)}
     result = index.admit(A, [offer(2)], now=0)
-    assert result.actions[A].demote == [sid(1)]  # the chain's tail goes down first
-    assert index.nodes()[A] == {CPU: (200, 200, 2), DISK: (100, 200, 1)}
-    index.admit(A, [offer(3)], now=0)  # demotes 0 (1 has no CPU shard any more)
-    index.admit(A, [offer(4)], now=0)  # disk full: drops tail 1, then demotes
-    assert 1 not in [int.from_bytes(k.key[:8], "big") for k in index.shards_on(A)]
-    assert index.nodes()[A][CPU][0] <= 200 and index.nodes()[A][DISK][0] <= 200
+    # The chain's tail leaves memory first (free: it is on disk), and the oldest
+    # disk-only tail makes room for the new shard's disk copy.
+    assert result.actions[A].demote == [sid(1)]
+    assert result.actions[A].drop == [sid(1)]
+    assert result.actions[A].persist == [sid(2)]
+    assert index.shards_on(A) == {(sid(0), CPU), (sid(0), DISK), (sid(2), CPU), (sid(2), DISK)}
+
+
+def test_without_room_on_disk_a_store_stays_in_memory_only() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 300, 100)
+    index.admit(A, [offer(0)], now=0)
+    hit(index, 0, ttl=100)  # leased: its disk copy cannot be dropped for room
+    result = index.admit(A, [offer(1)], now=1)
+    assert result.accepted == [True] and A not in result.actions
+    assert index.shards_on(A) == {(sid(0), CPU), (sid(0), DISK), (sid(1), CPU)}
 
 
 def test_a_chain_head_is_never_dropped_before_its_tail() -> None:
@@ -166,7 +178,7 @@ def test_disk_chunk_is_promoted_before_it_is_a_hit() -> None:
     index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
     index.register_node(A, 100, 1000)
     index.admit(A, [offer(0)], now=0)
-    index.admit(A, [offer(1)], now=0)  # demotes 0
+    index.admit(A, [offer(1)], now=0)  # demotes 0 (its written-through copy stays)
     answer, actions = hit(index, 0)
     assert answer.state is LookupState.PENDING
     assert actions[A].promote == [sid(0)] and actions[A].demote == [sid(1)]
@@ -185,7 +197,7 @@ def test_corrupt_promotion_becomes_a_miss_and_is_counted() -> None:
     index.promoted(A, [], [sid(0)])
     assert hit(index, 0)[0].state is LookupState.MISS
     assert index.stats.corrupt_before_hit == 1
-    assert sid(0) not in index.shards_on(A)
+    assert sid(0) not in {s for s, _ in index.shards_on(A)}
 
 
 def test_restore_reindexes_what_a_node_held() -> None:
@@ -193,7 +205,7 @@ def test_restore_reindexes_what_a_node_held() -> None:
     index.register_node(A, 100, 1000)
     accepted, actions = index.restore(A, [(offer(0), DISK), (offer(1, parent=0), DISK)])
     assert accepted == [True, True] and not actions
-    assert index.shards_on(A) == {sid(0): DISK, sid(1): DISK}
+    assert index.shards_on(A) == {(sid(0), DISK), (sid(1), DISK)}
     assert index.units()[(NS, key(1)[:-4])][0] == {(NS, key(0)[:-4])}
 
 
@@ -206,4 +218,4 @@ def test_arc_keeps_reused_units_through_a_scan_of_one_offs() -> None:
         index.release(NS, [key(i)], "h")
     for i in range(10, 30):  # a scan of one-off prefixes
         index.admit(A, [offer(i)], now=0)
-    assert {sid(0), sid(1)} <= set(index.shards_on(A))
+    assert {(sid(0), CPU), (sid(1), CPU)} <= index.shards_on(A)

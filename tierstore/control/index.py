@@ -4,7 +4,10 @@ leases, and the prefix-aware eviction across tiers.
 This is all of the Evictor's logic as a plain class, so it is tested without Ray.
 
 Vocabulary:
-- a *shard* is one rank's bytes of one chunk, held by one node in one tier;
+- a *shard* is one rank's bytes of one chunk, held by one node: in its CPU tier, its
+  disk tier, or both. The disk tier is written through (each new shard is copied to
+  disk after it is acknowledged, when there is room), so a restart loses nothing that
+  reached disk, and demoting a shard that is already on disk only frees its memory;
 - a *chunk* ``(namespace, key)`` is loadable when every rank's shard is in a CPU tier;
 - a *unit* is every group's chunk at one token boundary (the key minus its group
   suffix). Units are what the policy orders and what is evicted: a hybrid model's
@@ -14,7 +17,7 @@ Vocabulary:
   from CPU only when no child still has a CPU shard.
 
 Decisions are returned as :class:`NodeActions` for the NodeStores to carry out, in the
-order drop, demote, promote, so a promotion always finds the room made for it.
+order drop, demote, promote, persist, so a promotion always finds the room made for it.
 """
 
 from __future__ import annotations
@@ -65,12 +68,13 @@ class LookupAnswer(NamedTuple):
 
 @dataclass
 class NodeActions:
-    drop: list[ShardId] = field(default_factory=list)
-    demote: list[ShardId] = field(default_factory=list)
-    promote: list[ShardId] = field(default_factory=list)
+    drop: list[ShardId] = field(default_factory=list)  # delete every copy
+    demote: list[ShardId] = field(default_factory=list)  # to disk (write if needed), free memory
+    promote: list[ShardId] = field(default_factory=list)  # read the disk copy into memory
+    persist: list[ShardId] = field(default_factory=list)  # write-through: copy memory to disk
 
     def __bool__(self) -> bool:
-        return bool(self.drop or self.demote or self.promote)
+        return bool(self.drop or self.demote or self.promote or self.persist)
 
 
 Actions = dict[NodeId, NodeActions]
@@ -85,7 +89,7 @@ class AdmitResult(NamedTuple):
 class _Shard:
     node: NodeId
     nbytes: int
-    tier: TierName
+    tiers: set[TierName]  # where copies are (or are being made): never empty
     promoting: bool = False
 
 
@@ -161,24 +165,33 @@ class ChunkIndex:
     def restore(
         self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
     ) -> tuple[list[bool], Actions]:
-        """Re-index shards a node already holds (start-up, or after an Evictor restart).
+        """Re-index copies a node already holds (start-up, or after an Evictor restart).
 
-        Shards that no longer fit (capacities shrank) or that are already indexed
-        elsewhere are refused; the node drops the refused ones.
+        Disk copies are taken first. A copy that no longer fits (capacities shrank) or a
+        shard already indexed on another node is refused: the node frees the memory copy
+        of a shard whose disk copy was kept, and drops the rest.
         """
-        accepted = []
+        order = sorted(range(len(held)), key=lambda i: held[i][1] != TierName.DISK)
+        accepted = [False] * len(held)
         actions: Actions = defaultdict(NodeActions)
-        for offer, tier in held:
+        for i in order:
+            offer, tier = held[i]
+            shard_id = ShardId(offer.namespace, offer.key, offer.rank)
             account = self._nodes[node][tier]
-            cid = ChunkId(offer.namespace, offer.key)
-            chunk = self._chunks.get(cid)
+            chunk = self._chunks.get(ChunkId(offer.namespace, offer.key))
+            shard = chunk.shards.get(offer.rank) if chunk is not None else None
             fits = account.used_bytes + offer.nbytes <= account.capacity_bytes
-            if (chunk is not None and offer.rank in chunk.shards) or not fits:
-                accepted.append(False)
-                actions[node].drop.append(ShardId(offer.namespace, offer.key, offer.rank))
-                continue
-            self._add_shard(node, offer, tier)
-            accepted.append(True)
+            if shard is not None and shard.node == node and tier not in shard.tiers and fits:
+                shard.tiers.add(tier)
+                self._account(node, tier, offer.nbytes, +1)
+                accepted[i] = True
+            elif shard is None and fits:
+                self._add_shard(node, offer, tier)
+                accepted[i] = True
+            elif shard is not None and shard.node == node and TierName.DISK in shard.tiers:
+                actions[node].demote.append(shard_id)  # keep the disk copy, free memory
+            else:
+                actions[node].drop.append(shard_id)
         return accepted, dict(actions)
 
     def forget_node(self, node: NodeId) -> Actions:
@@ -208,7 +221,8 @@ class ChunkIndex:
 
         Room is made by demoting to disk, then by dropping whole units, tail first. A
         shard is refused (a skipped store, never an error) when it is already held or
-        when only leased, pinned, promoting or this batch's own units are left.
+        when only leased, pinned, promoting or this batch's own units are left. Each
+        admitted shard is also written through to disk when the disk has room.
         """
         if node not in self._nodes:
             raise KeyError(f"node {node!r} is not registered with the Evictor")
@@ -224,24 +238,33 @@ class ChunkIndex:
                 self.stats.skipped_stores += 1
                 accepted.append(False)
                 continue
-            self._add_shard(node, offer, TierName.CPU)
+            shard = self._add_shard(node, offer, TierName.CPU)
             accepted.append(True)
+            if self._make_disk_room(node, offer.nbytes, protected, now, actions):
+                shard.tiers.add(TierName.DISK)
+                self._account(node, TierName.DISK, offer.nbytes, +1)
+                actions[node].persist.append(ShardId(offer.namespace, offer.key, offer.rank))
         self._demote_to_watermark(node, protected, now, actions)
         return AdmitResult(accepted, dict(actions))
 
-    def _add_shard(self, node: NodeId, offer: ShardOffer, tier: TierName) -> None:
+    def _account(self, node: NodeId, tier: TierName, nbytes: int, sign: int) -> None:
+        account = self._nodes.get(node, {}).get(tier)
+        if account is not None:
+            account.used_bytes += sign * nbytes
+            account.shards += sign
+
+    def _add_shard(self, node: NodeId, offer: ShardOffer, tier: TierName) -> _Shard:
         cid = ChunkId(offer.namespace, offer.key)
         chunk = self._chunks.get(cid)
         if chunk is None:
             parent = ChunkKey(offer.parent) if offer.parent is not None else None
             chunk = self._chunks[cid] = _Chunk(offer.world_size, parent)
             self._link(cid, chunk)
-        chunk.shards[offer.rank] = _Shard(node, offer.nbytes, tier)
-        account = self._nodes[node][tier]
-        account.used_bytes += offer.nbytes
-        account.shards += 1
+        shard = chunk.shards[offer.rank] = _Shard(node, offer.nbytes, {tier})
+        self._account(node, tier, offer.nbytes, +1)
         if chunk.complete:
             self.stats.stored_chunks += 1
+        return shard
 
     def _link(self, cid: ChunkId, chunk: _Chunk) -> None:
         uid = UnitId(cid.namespace, boundary_of(cid.key))
@@ -286,7 +309,7 @@ class ChunkIndex:
 
     def _has_tier(self, uid: UnitId, tier: TierName, node: NodeId | None = None) -> bool:
         return any(
-            s.tier == tier and (node is None or s.node == node) for _, s in self._unit_shards(uid)
+            tier in s.tiers and (node is None or s.node == node) for _, s in self._unit_shards(uid)
         )
 
     def _make_cpu_room(
@@ -295,8 +318,6 @@ class ChunkIndex:
         cpu = self._nodes[node][TierName.CPU]
         if nbytes > cpu.capacity_bytes:
             return False
-        if cpu.used_bytes + nbytes <= cpu.capacity_bytes:
-            return True
         for uid in self._policy.candidates():
             if cpu.used_bytes + nbytes <= cpu.capacity_bytes:
                 return True
@@ -312,28 +333,27 @@ class ChunkIndex:
         return cpu.used_bytes + nbytes <= cpu.capacity_bytes
 
     def _cpu_leaf(self, uid: UnitId) -> bool:
-        """No child unit still has a CPU shard: demoting this one keeps heads above tails."""
+        """No child unit still has a CPU copy: demoting this one keeps heads above tails."""
         return not any(self._has_tier(c, TierName.CPU) for c in self._units[uid].children)
 
     def _demote(
         self, uid: UnitId, node: NodeId, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
-        """Move ``uid``'s CPU shards on ``node`` to its disk, dropping disk tails for room."""
+        """Free ``uid``'s CPU copies on ``node``, writing those not on disk yet."""
         moving = [
             (sid, s)
             for sid, s in self._unit_shards(uid)
-            if s.node == node and s.tier == TierName.CPU
+            if s.node == node and TierName.CPU in s.tiers
         ]
-        nbytes = sum(s.nbytes for _, s in moving)
-        if not self._make_disk_room(node, nbytes, protected | {uid}, now, actions):
+        to_write = sum(s.nbytes for _, s in moving if TierName.DISK not in s.tiers)
+        if to_write and not self._make_disk_room(node, to_write, protected | {uid}, now, actions):
             return False
-        tiers = self._nodes[node]
         for shard_id, shard in moving:
-            shard.tier = TierName.DISK
-            tiers[TierName.CPU].used_bytes -= shard.nbytes
-            tiers[TierName.CPU].shards -= 1
-            tiers[TierName.DISK].used_bytes += shard.nbytes
-            tiers[TierName.DISK].shards += 1
+            if TierName.DISK not in shard.tiers:
+                shard.tiers.add(TierName.DISK)
+                self._account(node, TierName.DISK, shard.nbytes, +1)
+            shard.tiers.discard(TierName.CPU)
+            self._account(node, TierName.CPU, shard.nbytes, -1)
             actions[node].demote.append(shard_id)
             self.stats.demoted_shards += 1
         return True
@@ -341,6 +361,7 @@ class ChunkIndex:
     def _make_disk_room(
         self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
+        """Drop disk-only tails; a unit with a copy in memory is never dropped for disk room."""
         disk = self._nodes[node][TierName.DISK]
         if nbytes > disk.capacity_bytes:
             return False
@@ -349,7 +370,9 @@ class ChunkIndex:
                 return True
             if uid not in self._units or self._units[uid].children:
                 continue
-            if not self._has_tier(uid, TierName.DISK, node) or self._blocked(uid, protected, now):
+            if not self._has_tier(uid, TierName.DISK, node) or self._has_tier(uid, TierName.CPU):
+                continue
+            if self._blocked(uid, protected, now):
                 continue
             self._drop_unit(uid, actions)
             self.stats.evicted_chunks += 1
@@ -381,10 +404,8 @@ class ChunkIndex:
             chunk = self._chunks.pop(cid)
             self._leases.pop(cid, None)
             for rank, shard in chunk.shards.items():
-                account = self._nodes.get(shard.node, {}).get(shard.tier)
-                if account is not None:
-                    account.used_bytes -= shard.nbytes
-                    account.shards -= 1
+                for tier in shard.tiers:
+                    self._account(shard.node, tier, shard.nbytes, -1)
                 actions[shard.node].drop.append(ShardId(uid.namespace, key, rank))
         for parent in unit.parents:
             self._units[parent].children.discard(uid)
@@ -420,7 +441,7 @@ class ChunkIndex:
                 self.stats.misses += 1
                 answers.append(LookupAnswer(LookupState.MISS))
                 continue
-            on_disk = [(r, s) for r, s in chunk.shards.items() if s.tier == TierName.DISK]
+            on_disk = [(r, s) for r, s in chunk.shards.items() if TierName.CPU not in s.tiers]
             if on_disk and not self._promote(cid, on_disk, protected, now, actions):
                 self.stats.misses += 1
                 answers.append(LookupAnswer(LookupState.MISS))
@@ -448,12 +469,8 @@ class ChunkIndex:
             if not self._make_cpu_room(shard.node, shard.nbytes, protected, now, actions):
                 return False
         for rank, shard in on_disk:
-            tiers = self._nodes[shard.node]
-            tiers[TierName.DISK].used_bytes -= shard.nbytes
-            tiers[TierName.DISK].shards -= 1
-            tiers[TierName.CPU].used_bytes += shard.nbytes
-            tiers[TierName.CPU].shards += 1
-            shard.tier = TierName.CPU
+            shard.tiers.add(TierName.CPU)  # the disk copy stays: demoting it again is free
+            self._account(shard.node, TierName.CPU, shard.nbytes, +1)
             shard.promoting = True
             actions[shard.node].promote.append(ShardId(cid.namespace, cid.key, rank))
         return True
@@ -525,12 +542,14 @@ class ChunkIndex:
     def record_loaded(self, n_chunks: int) -> None:
         self.stats.loaded_chunks += n_chunks
 
-    def shards_on(self, node: NodeId) -> dict[ShardId, TierName]:
+    def shards_on(self, node: NodeId) -> set[tuple[ShardId, TierName]]:
+        """Every copy the index believes ``node`` holds."""
         return {
-            ShardId(cid.namespace, cid.key, rank): shard.tier
+            (ShardId(cid.namespace, cid.key, rank), tier)
             for cid, chunk in self._chunks.items()
             for rank, shard in chunk.shards.items()
             if shard.node == node
+            for tier in shard.tiers
         }
 
     def units(self) -> dict[UnitId, tuple[set[UnitId], set[UnitId]]]:
