@@ -106,6 +106,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         cpu_bytes_per_node=parse_bytes("--cpu-bytes-per-node", args.cpu_bytes_per_node),
         namespace=args.namespace,
         ray_address=args.address,
+        disk_path=args.disk_path,
+        disk_bytes_per_node=parse_bytes("--disk-bytes-per-node", args.disk_bytes_per_node),
+        disk_fsync=args.disk_fsync,
+        eviction_policy=args.eviction_policy,
     )
     _connect(args.address, cfg.namespace)
     ensure_actors(cfg)
@@ -154,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--cpu-bytes-per-node", required=True, help="CPU tier bytes per node, e.g. 8GiB"
     )
+    up.add_argument("--disk-path", default=None, help="disk tier directory on every node")
+    up.add_argument("--disk-bytes-per-node", default="0", help="disk tier bytes per node; 0 = none")
+    up.add_argument("--disk-fsync", action="store_true", help="fsync every chunk file")
+    up.add_argument("--eviction-policy", default="lru", choices=["lru", "arc"])
     up.set_defaults(func=cmd_up)
 
     down = sub.add_parser("down", help="stop the actors (the chunks they hold are dropped)")
@@ -175,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except TierStoreError as exc:
+    except (TierStoreError, ValueError) as exc:
         print(f"tierstore: {exc}", file=sys.stderr)
         return 2
 

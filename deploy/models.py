@@ -105,11 +105,48 @@ def _qwen3_next() -> Any:
     )
 
 
+def _nemotron_h() -> Any:
+    from transformers import NemotronHConfig
+
+    # Mamba2, MLP, attention, MLP, Mamba2, MLP. On the CPU build a Mamba2 layer can only
+    # run prefill pieces of at most one block (see ENGINE_LIMITS): with prefix caching
+    # its "align" mode checkpoints inside longer pieces, which the CPU SSM op cannot
+    # (vllm mamba_mixer2.py:880 indexes per-chunk states the CPU op does not return).
+    return NemotronHConfig(
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        hybrid_override_pattern="M-*-M-",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        mlp_hidden_act="relu2",
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=1,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=128,
+        expand=1,
+        use_conv_bias=True,
+        mamba_proj_bias=False,
+        use_bias=False,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
 TINY_MODELS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "gemma3": _gemma3,
     "gpt-oss": _gpt_oss,
     "qwen3-next": _qwen3_next,
+    "nemotron-h": _nemotron_h,
+}
+
+# Engine settings a family needs on the CPU build, beyond the defaults.
+ENGINE_LIMITS: dict[str, dict[str, Any]] = {
+    "nemotron-h": {"max_num_batched_tokens": 32},  # = block size: one block per prefill piece
 }
 
 

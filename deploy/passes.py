@@ -49,6 +49,7 @@ class EngineSpec:
     cpu_offload_gb: float = 0.0
     enforce_eager: bool = True
     seed: int = 0
+    max_num_batched_tokens: int | None = None  # default: max_model_len
 
 
 def random_prompt(n_tokens: int, seed: int, vocab: int = 500) -> list[int]:
@@ -67,7 +68,7 @@ def build_llm(spec: EngineSpec) -> Any:
         "enable_prefix_caching": True,
         "enforce_eager": spec.enforce_eager,
         "seed": spec.seed,
-        "max_num_batched_tokens": spec.max_model_len,
+        "max_num_batched_tokens": spec.max_num_batched_tokens or spec.max_model_len,
         "disable_log_stats": False,  # keeps per-request timestamps for the TTFT
     }
     if spec.block_size is not None:
@@ -126,11 +127,12 @@ def run_passes(
     n_passes: int,
     max_tokens: int = 8,
     reset_between: bool = True,
+    reset_each: bool = False,
 ) -> list[dict[str, Any]]:
     llm = build_llm(spec)
     passes = []
     for _ in range(n_passes):
-        passes.append(asdict(run_pass(llm, prompts, max_tokens)))
+        passes.append(asdict(run_pass(llm, prompts, max_tokens, reset_each)))
         settle()
         if reset_between:
             llm.reset_prefix_cache()

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from deploy.models import make_tiny_model
-from deploy.passes import TIERSTORE_SPEC
+from deploy.models import ENGINE_LIMITS, make_tiny_model
+from deploy.passes import TIERSTORE_SPEC, random_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 RAY_NAMESPACE = "tierstore-e2e"
@@ -50,12 +50,16 @@ def run_engine(
     counter = iter(range(1_000_000))
 
     def run(
-        engine: dict[str, Any], prompts: list[list[int]], n_passes: int, **kw: Any
+        engine: dict[str, Any],
+        prompts: list[list[int]],
+        n_passes: int,
+        ray_address: str | None = None,
+        **kw: Any,
     ) -> list[dict[str, Any]]:
         out = out_dir / f"run-{next(counter)}.json"
         env = dict(os.environ)
         env.update(
-            RAY_ADDRESS=ray_cluster,
+            RAY_ADDRESS=ray_address or ray_cluster,
             PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         )
@@ -93,3 +97,46 @@ def tiny_model(models_dir: Path) -> Callable[[str, str], str]:
         return str(make_tiny_model(name, models_dir, dtype))
 
     return make
+
+
+PROMPT = random_prompt(1000, seed=7)
+FP32_LOGPROB_TOL = 1e-4
+MIN_CACHED_FRACTION = 0.75
+
+# (tiny model, dtype): Qwen3-Next's GDN kernel on the CPU build requires bf16.
+FAMILIES = [
+    ("llama", "float32"),  # 1 group
+    ("gemma3", "float32"),  # 3 groups: sliding + full attention
+    ("gpt-oss", "float32"),  # 2 groups: sliding + full attention
+    ("qwen3-next", "bfloat16"),  # 2 groups: GDN (Mamba-style state) + full attention
+    ("nemotron-h", "float32"),  # 3 groups: Mamba2 (align mode) + full attention
+]
+
+
+def only(passes: list[dict[str, Any]], index: int, request: int = 0) -> dict[str, Any]:
+    """One request's result in one pass."""
+    return passes[index]["requests"][request]
+
+
+def max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
+
+
+def engine_for(tiny_model: Callable[[str, str], str], name: str, dtype: str) -> dict[str, Any]:
+    return {"model": tiny_model(name, dtype), "dtype": dtype, **ENGINE_LIMITS.get(name, {})}
+
+
+@pytest.fixture(scope="session")
+def runs(run_engine, tiny_model) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Per family, PROMPT run twice by three engines (each takes about a minute, so once):
+    tierstore (device cache reset between passes), the reference restore (likewise),
+    and no connector with the device prefix cache kept."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for name, dtype in FAMILIES:
+        engine = engine_for(tiny_model, name, dtype)
+        out[name] = {
+            "tierstore": run_engine({**engine, "kv_extra_config": tierstore_extra()}, [PROMPT], 2),
+            "reference": run_engine({**engine, "kv_extra_config": REFERENCE_SPEC}, [PROMPT], 2),
+            "device": run_engine(engine, [PROMPT], 2, reset_between=False),
+        }
+    return out

@@ -21,6 +21,7 @@ def main() -> None:
         n_passes=args["n_passes"],
         max_tokens=args.get("max_tokens", 8),
         reset_between=args.get("reset_between", True),
+        reset_each=args.get("reset_each", False),
     )
     with open(sys.argv[2], "w") as out:
         json.dump(passes, out)

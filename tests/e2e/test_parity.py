@@ -11,69 +11,41 @@ Per model, three engines run the same ~1,000-token prompt twice:
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from deploy.passes import random_prompt
-from tests.e2e.conftest import REFERENCE_SPEC, tierstore_extra
+from tests.e2e.conftest import (
+    FAMILIES,
+    FP32_LOGPROB_TOL,
+    MIN_CACHED_FRACTION,
+    PROMPT,
+    REFERENCE_SPEC,
+    max_logprob_diff,
+    only,
+    tierstore_extra,
+)
 
 pytestmark = pytest.mark.e2e
-
-PROMPT = random_prompt(1000, seed=7)
-FP32_LOGPROB_TOL = 1e-4
-MIN_CACHED_FRACTION = 0.75
-
-# (tiny model, dtype): Qwen3-Next's GDN kernel on the CPU build requires bf16.
-FAMILIES = [
-    ("llama", "float32"),  # 1 group
-    ("gemma3", "float32"),  # 3 groups: sliding + full attention
-    ("gpt-oss", "float32"),  # 2 groups: sliding + full attention
-    ("qwen3-next", "bfloat16"),  # 2 groups: GDN (Mamba-style state) + full attention
-]
-
-
-def _only(passes: list[dict[str, Any]], index: int) -> dict[str, Any]:
-    (request,) = passes[index]["requests"]
-    return request
-
-
-def _max_logprob_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
-    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
-
-
-@pytest.fixture(scope="module")
-def runs(run_engine, tiny_model) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every engine run of this module, made once (each engine takes about a minute)."""
-    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for name, dtype in FAMILIES:
-        engine = {"model": tiny_model(name, dtype), "dtype": dtype}
-        out[name] = {
-            "tierstore": run_engine({**engine, "kv_extra_config": tierstore_extra()}, [PROMPT], 2),
-            "reference": run_engine({**engine, "kv_extra_config": REFERENCE_SPEC}, [PROMPT], 2),
-            "device": run_engine(engine, [PROMPT], 2, reset_between=False),
-        }
-    return out
 
 
 @pytest.mark.parametrize(("name", "dtype"), FAMILIES, ids=[f[0] for f in FAMILIES])
 def test_restore_matches_reference_and_device_cache(runs, name: str, dtype: str) -> None:
     tierstore, reference, device = (runs[name][k] for k in ("tierstore", "reference", "device"))
-    cold, restored = _only(tierstore, 0), _only(tierstore, 1)
+    cold, restored = only(tierstore, 0), only(tierstore, 1)
 
     assert cold["num_cached_tokens"] == 0
     assert restored["num_cached_tokens"] >= MIN_CACHED_FRACTION * len(PROMPT), restored
     # Same connector path, same hit boundary, same bytes: identical output.
-    ref_restored = _only(reference, 1)
+    ref_restored = only(reference, 1)
     assert restored["num_cached_tokens"] == ref_restored["num_cached_tokens"]
     assert restored["tokens"] == ref_restored["tokens"]
     assert restored["logprobs"] == ref_restored["logprobs"]
     # Against the device prefix cache, without tierstore.
-    device_hit = _only(device, 1)
+    device_hit = only(device, 1)
     assert device_hit["num_cached_tokens"] > 0
     assert restored["tokens"] == device_hit["tokens"] == cold["tokens"]
     if dtype == "float32":
-        assert _max_logprob_diff(restored, device_hit) <= FP32_LOGPROB_TOL
+        assert max_logprob_diff(restored, device_hit) <= FP32_LOGPROB_TOL
 
 
 def test_parity_checks_catch_a_wrong_restore(runs, run_engine, tiny_model) -> None:
@@ -82,11 +54,11 @@ def test_parity_checks_catch_a_wrong_restore(runs, run_engine, tiny_model) -> No
         "model": tiny_model("llama", "float32"),
         "kv_extra_config": {**REFERENCE_SPEC, "reference_corrupts_loads": True},
     }
-    wrong = _only(run_engine(engine, [PROMPT], 2), 1)
-    right = _only(runs["llama"]["tierstore"], 1)
+    wrong = only(run_engine(engine, [PROMPT], 2), 1)
+    right = only(runs["llama"]["tierstore"], 1)
     assert wrong["num_cached_tokens"] == right["num_cached_tokens"]
     assert wrong["logprobs"] != right["logprobs"]
-    assert _max_logprob_diff(wrong, right) > 100 * FP32_LOGPROB_TOL
+    assert max_logprob_diff(wrong, right) > 100 * FP32_LOGPROB_TOL
 
 
 def test_weight_offloading_beside_tierstore_keeps_parity(runs, run_engine, tiny_model) -> None:
@@ -100,19 +72,19 @@ def test_weight_offloading_beside_tierstore_keeps_parity(runs, run_engine, tiny_
     prompt = random_prompt(1000, seed=11)
     offloaded = run_engine(engine, [prompt], 2)
     reference = run_engine({**engine, "kv_extra_config": REFERENCE_SPEC}, [prompt], 2)
-    cold, restored = _only(offloaded, 0), _only(offloaded, 1)
+    cold, restored = only(offloaded, 0), only(offloaded, 1)
     assert restored["num_cached_tokens"] >= MIN_CACHED_FRACTION * len(prompt)
     assert restored["tokens"] == cold["tokens"]
-    assert restored["tokens"] == _only(reference, 1)["tokens"]
-    assert restored["logprobs"] == _only(reference, 1)["logprobs"]
+    assert restored["tokens"] == only(reference, 1)["tokens"]
+    assert restored["logprobs"] == only(reference, 1)["logprobs"]
 
 
 def test_second_engine_in_new_process_reuses_stored_prefix(run_engine, tiny_model) -> None:
     engine = {"model": tiny_model("llama", "float32"), "kv_extra_config": tierstore_extra()}
     prompt = random_prompt(1000, seed=23)
-    first = _only(run_engine(engine, [prompt], 1), 0)
-    second = _only(run_engine(engine, [prompt], 1), 0)
+    first = only(run_engine(engine, [prompt], 1), 0)
+    second = only(run_engine(engine, [prompt], 1), 0)
     assert first["num_cached_tokens"] == 0
     assert second["num_cached_tokens"] >= MIN_CACHED_FRACTION * len(prompt)
     assert second["tokens"] == first["tokens"]
-    assert _max_logprob_diff(second, first) <= FP32_LOGPROB_TOL
+    assert max_logprob_diff(second, first) <= FP32_LOGPROB_TOL

@@ -84,3 +84,33 @@ def test_parse_bool_is_strict() -> None:
     assert parse_bool("k", "TRUE") is True
     with pytest.raises(ConfigError, match="k"):
         parse_bool("k", "maybe")
+
+
+def test_disk_keys_parse_and_validate() -> None:
+    cfg = TierStoreConfig.from_extra_config(
+        {
+            **BASE,
+            "cpu_bytes_per_node": "1GiB",
+            "disk_path": "/data/ts",
+            "disk_bytes_per_node": "100GiB",
+            "disk_fsync": "true",
+            "eviction_policy": "arc",
+        }
+    )
+    assert cfg.disk_bytes_per_node == 100 << 30 and cfg.disk_fsync is True
+    with pytest.raises(ConfigError, match="disk_path: required"):
+        TierStoreConfig.from_extra_config(
+            {**BASE, "cpu_bytes_per_node": 1, "disk_bytes_per_node": 5}
+        )
+    with pytest.raises(
+        ConfigError, match="eviction_policy: unknown policy 'mru'; supported: arc, lru"
+    ):
+        TierStoreConfig.from_extra_config(
+            {**BASE, "cpu_bytes_per_node": 1, "eviction_policy": "mru"}
+        )
+    with pytest.raises(ConfigError, match="cpu_low_watermark"):
+        TierStoreConfig.from_extra_config(
+            {**BASE, "cpu_bytes_per_node": 1, "cpu_high_watermark": 0.5, "cpu_low_watermark": 0.8}
+        )
+    with pytest.raises(ConfigError, match="disk_fsync"):
+        TierStoreConfig.from_extra_config({**BASE, "cpu_bytes_per_node": 1, "disk_fsync": "often"})

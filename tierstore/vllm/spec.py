@@ -103,6 +103,9 @@ class TierStoreSpec(OffloadingSpec):
         )
         node_id = ray.get_runtime_context().get_node_id()
         local_store = get_or_create_node_store(self.store_config, node_id)
+        # Start-up only (never in a step): wait until the NodeStore has registered what its
+        # disk tier recovered, so the first lookups already see it.
+        ray.get(local_store.status.remote(), timeout=self.store_config.transfer_timeout_s)
         namespace = self.store_config.namespace
         logger.info(
             "tierstore worker rank %d on node %s: chunk bytes per group %s",

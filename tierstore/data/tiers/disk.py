@@ -231,6 +231,11 @@ def _read_header_from(f: Any) -> tuple[dict[str, Any], int]:
     return header, _PREFIX.size + length
 
 
+def read_chunk_header(path: Path) -> dict[str, Any]:
+    """A chunk file's header (operators' tools and tests); raises ValueError if it is not one."""
+    return _read_header(path)[0]
+
+
 def _read_header(path: Path) -> tuple[dict[str, Any], int]:
     with open(path, "rb") as f:
         return _read_header_from(f)

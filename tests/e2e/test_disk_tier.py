@@ -1,0 +1,168 @@
+"""The disk tier with the real engine: demotion under pressure, corruption, full restarts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.cli import collect_status
+from deploy.passes import random_prompt
+from tests.e2e.conftest import (
+    FP32_LOGPROB_TOL,
+    MIN_CACHED_FRACTION,
+    PROMPT,
+    engine_for,
+    max_logprob_diff,
+    only,
+    tierstore_extra,
+)
+from tierstore.data.tiers.disk import read_chunk_header
+
+pytestmark = pytest.mark.e2e
+
+# PROMPT first, then two more: together ~3x what the CPU tier holds, so PROMPT's chunks
+# are demoted before pass 2 needs them again.
+PROMPTS = [PROMPT, random_prompt(1000, seed=31), random_prompt(1000, seed=32)]
+
+
+def _disk_extra(namespace: str, disk_path: Path, cpu_bytes: int | str) -> dict[str, Any]:
+    return tierstore_extra(
+        namespace=namespace,
+        cpu_bytes_per_node=cpu_bytes,
+        disk_path=str(disk_path),
+        disk_bytes_per_node="256MiB",
+    )
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("gemma3", "float32"), ("qwen3-next", "bfloat16")])
+def test_prompts_larger_than_the_cpu_tier_hit_from_disk_with_parity(
+    runs, run_engine, tiny_model, tmp_path: Path, name: str, dtype: str
+) -> None:
+    namespace = f"tierstore-e2e-disk-{name}"
+    extra = _disk_extra(namespace, tmp_path / "disk", "2MiB")
+    passes = run_engine(
+        {**engine_for(tiny_model, name, dtype), "kv_extra_config": extra},
+        PROMPTS,
+        2,
+        reset_each=True,
+    )
+    status = collect_status(namespace)
+    (node,) = status["nodes"]
+    assert node["cpu"]["used_bytes"] <= node["cpu"]["capacity_bytes"] == 2 << 20
+    assert status["totals"]["demoted_shards"] > 0
+    assert status["totals"]["promoted_shards"] > 0  # pass 2 needed chunks back from disk
+    assert node["disk"]["chunks"] > node["cpu"]["chunks"]
+
+    restored = only(passes, 1, request=0)
+    assert restored["num_cached_tokens"] >= MIN_CACHED_FRACTION * len(PROMPT)
+    # Same hit boundary and bytes as the reference restore of PROMPT: identical output.
+    reference = only(runs[name]["reference"], 1)
+    assert restored["num_cached_tokens"] == reference["num_cached_tokens"]
+    assert restored["tokens"] == reference["tokens"]
+    assert restored["logprobs"] == reference["logprobs"]
+    assert restored["tokens"] == only(runs[name]["device"], 1)["tokens"]
+    for i in range(len(PROMPTS)):
+        assert only(passes, 1, i)["tokens"] == only(passes, 0, i)["tokens"]
+        assert only(passes, 1, i)["num_cached_tokens"] >= MIN_CACHED_FRACTION * 1000
+
+
+@pytest.fixture
+def separate_cluster() -> Iterator[Any]:
+    """Start and stop whole Ray clusters of our own (the session's one stays up)."""
+    keepers: list[subprocess.Popen[str]] = []
+
+    def start() -> str:
+        keeper = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import ray, sys\n"
+                "ray.init(address='local', include_dashboard=False)\n"
+                "print(ray.get_runtime_context().gcs_address, flush=True)\n"
+                "sys.stdin.read()\n",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ},
+        )
+        keepers.append(keeper)
+        assert keeper.stdout is not None
+        return keeper.stdout.readline().strip()
+
+    def stop() -> None:
+        keeper = keepers.pop()
+        assert keeper.stdin is not None
+        keeper.stdin.close()  # the keeper's ray.shutdown() takes every actor down with it
+        keeper.wait(timeout=60)
+
+    yield start, stop
+    while keepers:
+        stop()
+
+
+def test_restart_keeps_prefixes_and_corrupt_files_are_never_served(
+    run_engine, tiny_model, tmp_path: Path, separate_cluster: Any
+) -> None:
+    start, stop = separate_cluster
+    disk = tmp_path / "disk"
+    prompts = [random_prompt(1000, seed=s) for s in (41, 42, 43)]
+    engine = {
+        **engine_for(tiny_model, "llama", "float32"),
+        "kv_extra_config": _disk_extra("tierstore-e2e-restart", disk, "1GiB"),
+    }
+    first = run_engine(engine, prompts, 1, reset_each=True, ray_address=start())
+    stop()  # the whole cluster: Evictor, NodeStore and the object store are gone
+
+    # Each prompt's first chunk is the root of its chain (no parent in its header).
+    roots = [p for p in disk.rglob("*.chunk") if read_chunk_header(p)["parent"] is None]
+    assert len(roots) == len(prompts)
+    flipped, truncated, intact = roots
+    raw = bytearray(flipped.read_bytes())
+    raw[-100] ^= 0x01
+    flipped.write_bytes(bytes(raw))
+    os.truncate(truncated, truncated.stat().st_size - 1)
+
+    address = start()
+    second = run_engine(engine, prompts, 1, reset_each=True, ray_address=address)
+    cached = sorted(only(second, 0, i)["num_cached_tokens"] for i in range(len(prompts)))
+    # The two corrupt roots make their prompts recompute; the third hits from disk.
+    assert cached[:2] == [0, 0]
+    assert cached[2] >= MIN_CACHED_FRACTION * 1000
+    for i in range(len(prompts)):
+        before, after = only(first, 0, i), only(second, 0, i)
+        assert after["tokens"] == before["tokens"]
+        assert max_logprob_diff(after, before) <= FP32_LOGPROB_TOL
+    status = _status_of(address, "tierstore-e2e-restart")
+    assert status["totals"]["corrupt_before_hit"] == 2
+    assert not flipped.exists() and not truncated.exists() and intact.exists()
+
+
+def _status_of(address: str, namespace: str) -> dict[str, Any]:
+    """`tierstore status --json` against another cluster, as an operator would run it."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "status",
+            "--json",
+            "--address",
+            address,
+            "--namespace",
+            namespace,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    import json
+
+    return json.loads(out.stdout)
