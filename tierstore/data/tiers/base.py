@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierstore.errors import TierFullError
 from tierstore.keys import ShardId
 
 
@@ -36,14 +37,24 @@ class Tier(ABC):
     NodeStore calls :meth:`delete`. A tier only refuses what does not fit.
     """
 
+    name: str = "tier"  # in error messages
+
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
+        self._used_bytes = 0
 
     @property
-    @abstractmethod
-    def used_bytes(self) -> int: ...
+    def used_bytes(self) -> int:
+        return self._used_bytes
+
+    def _check_room(self, nbytes: int) -> None:
+        if nbytes > self.free_bytes:
+            raise TierFullError(
+                f"{self.name} tier full: {nbytes} bytes asked, {self.free_bytes} free of "
+                f"{self.capacity_bytes}"
+            )
 
     @abstractmethod
     def put(self, shard_id: ShardId, shard: StoredShard) -> None:

@@ -56,12 +56,13 @@ def _shard_file_name(shard_id: ShardId) -> str:
 class DiskTier(Tier):
     """Called from one thread (the NodeStore's); every read is checksum-verified."""
 
+    name = "disk"
+
     def __init__(self, root: Path, capacity_bytes: int, fsync: bool = False) -> None:
         super().__init__(capacity_bytes)
         self.root = Path(root)
         self.fsync = fsync
         self._index: dict[ShardId, tuple[Path, ShardMeta]] = {}
-        self._used_bytes = 0
         self.corrupt_files_removed = 0
         self.root.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
         os.chmod(self.root, _DIR_MODE)
@@ -75,20 +76,11 @@ class DiskTier(Tier):
         return self.root / shard_id.namespace / name[:2] / f"{name}.chunk"
 
     # ---- Tier ------------------------------------------------------------------------------
-    @property
-    @override
-    def used_bytes(self) -> int:
-        return self._used_bytes
-
     @override
     def put(self, shard_id: ShardId, shard: StoredShard) -> None:
         if shard_id in self._index:
             return
-        if shard.meta.nbytes > self.free_bytes:
-            raise TierFullError(
-                f"disk tier full: {shard.meta.nbytes} bytes asked, {self.free_bytes} free of "
-                f"{self.capacity_bytes}"
-            )
+        self._check_room(shard.meta.nbytes)
         path = self._path(shard_id)
         header = msgpack.packb(
             {

@@ -12,20 +12,16 @@ from collections.abc import Iterator
 from typing_extensions import override
 
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
-from tierstore.errors import ChunkNotFoundError, TierFullError
+from tierstore.errors import ChunkNotFoundError
 from tierstore.keys import ShardId
 
 
 class MemoryTier(Tier):
+    name = "CPU"
+
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
         self._shards: dict[ShardId, StoredShard] = {}
-        self._used_bytes = 0
-
-    @property
-    @override
-    def used_bytes(self) -> int:
-        return self._used_bytes
 
     @override
     def put(self, shard_id: ShardId, shard: StoredShard) -> None:
@@ -35,11 +31,7 @@ class MemoryTier(Tier):
             )
         if shard_id in self._shards:
             return
-        if shard.meta.nbytes > self.free_bytes:
-            raise TierFullError(
-                f"CPU tier full: {shard.meta.nbytes} bytes asked, {self.free_bytes} free "
-                f"of {self.capacity_bytes}"
-            )
+        self._check_room(shard.meta.nbytes)
         self._shards[shard_id] = shard
         self._used_bytes += shard.meta.nbytes
 
