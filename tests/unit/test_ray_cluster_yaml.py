@@ -1,0 +1,60 @@
+"""ray_cluster.yaml passes Ray's own launcher validation and calls the CLI as it exists."""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from pathlib import Path
+
+import click
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+
+from deploy.cli import build_parser
+
+CONFIG = Path(__file__).resolve().parents[2] / "ray_cluster.yaml"
+
+
+def _load() -> dict:
+    return yaml.safe_load(CONFIG.read_text())
+
+
+def test_config_passes_the_validation_ray_up_runs() -> None:
+    validate_config(prepare_config(_load()))
+
+
+def test_local_provider_rejects_node_types_so_the_file_has_none() -> None:
+    config = _load()
+    assert config["provider"]["type"] == "local"
+    assert "available_node_types" not in config and "head_node_type" not in config
+    broken = copy.deepcopy(config)
+    broken["available_node_types"] = {"head": {"node_config": {}, "resources": {}}}
+    # The trap this file must not fall into: the launcher aborts.
+    with pytest.raises(click.ClickException, match="not supported for on-premise"):
+        validate_config(prepare_config(broken))
+
+
+def test_every_ray_start_sets_the_auth_mode_and_the_head_starts_tierstore() -> None:
+    config = _load()
+    starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    for command in starts:
+        if " ray start" in command or command.startswith("ray start"):
+            assert "RAY_AUTH_MODE=" in command, command
+    assert any("auth_token" in str(k) for k in config["file_mounts"])
+    tierstore_up = [c for c in config["head_start_ray_commands"] if "tierstore up" in c]
+    assert len(tierstore_up) == 1
+
+
+def test_cli_commands_in_the_file_parse() -> None:
+    for command in _load()["head_start_ray_commands"]:
+        if "tierstore up" not in command:
+            continue
+        words = shlex.split(command)
+        args = build_parser().parse_args(words[words.index("up") :])
+        assert args.command == "up"
+        assert args.cpu_bytes_per_node and args.disk_path
+
+
+def test_setup_installs_tierstore_with_the_repo_script() -> None:
+    assert any("deploy/setup.sh" in c for c in _load()["setup_commands"])
