@@ -219,3 +219,15 @@ def test_arc_keeps_reused_units_through_a_scan_of_one_offs() -> None:
     for i in range(10, 30):  # a scan of one-off prefixes
         index.admit(A, [offer(i)], now=0)
     assert {(sid(0), CPU), (sid(1), CPU)} <= index.shards_on(A)
+
+
+def test_room_for_a_chunk_is_never_made_by_evicting_its_own_parent() -> None:
+    index = ChunkIndex()
+    index.register_node(A, 200)
+    index.admit(A, [offer(0)], now=0)
+    index.admit(A, [offer(5)], now=0)
+    hit(index, 5)  # 0 is now the least recently used, and a leaf
+    index.release(NS, [key(5)], "h")
+    result = index.admit(A, [offer(1, parent=0)], now=0)
+    assert result.accepted == [True]
+    assert result.actions[A].drop == [sid(5)]

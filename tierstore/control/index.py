@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -226,7 +227,11 @@ class ChunkIndex:
         """
         if node not in self._nodes:
             raise KeyError(f"node {node!r} is not registered with the Evictor")
-        protected = {UnitId(o.namespace, boundary_of(o.key)) for o in offers}
+        # Never make room by evicting the offered chunks' own parents: it would leave the
+        # new chunks unreachable the moment they land.
+        protected = {UnitId(o.namespace, boundary_of(o.key)) for o in offers} | {
+            UnitId(o.namespace, boundary_of(o.parent)) for o in offers if o.parent is not None
+        }
         actions: Actions = defaultdict(NodeActions)
         accepted: list[bool] = []
         for offer in offers:
@@ -312,25 +317,39 @@ class ChunkIndex:
             tier in s.tiers and (node is None or s.node == node) for _, s in self._unit_shards(uid)
         )
 
+    def _make_room(
+        self,
+        node: NodeId,
+        tier: TierName,
+        nbytes: int,
+        protected: set[UnitId],
+        now: float,
+        free_one: Callable[[UnitId], None],
+    ) -> bool:
+        """Walk the policy's candidates, letting ``free_one`` free each, until ``nbytes`` fit."""
+        account = self._nodes[node][tier]
+        if nbytes > account.capacity_bytes:
+            return False
+        for uid in self._policy.candidates():
+            if account.used_bytes + nbytes <= account.capacity_bytes:
+                return True
+            if uid in self._units and not self._blocked(uid, protected, now):
+                free_one(uid)
+        return account.used_bytes + nbytes <= account.capacity_bytes
+
     def _make_cpu_room(
         self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
-        cpu = self._nodes[node][TierName.CPU]
-        if nbytes > cpu.capacity_bytes:
-            return False
-        for uid in self._policy.candidates():
-            if cpu.used_bytes + nbytes <= cpu.capacity_bytes:
-                return True
-            if uid not in self._units or not self._has_tier(uid, TierName.CPU, node):
-                continue
-            if self._blocked(uid, protected, now):
-                continue
+        def free_one(uid: UnitId) -> None:
+            if not self._has_tier(uid, TierName.CPU, node):
+                return
             if self._cpu_leaf(uid) and self._demote(uid, node, protected, now, actions):
-                continue
+                return
             if not self._units[uid].children:  # a tail: safe to drop everywhere
                 self._drop_unit(uid, actions)
                 self.stats.evicted_chunks += 1
-        return cpu.used_bytes + nbytes <= cpu.capacity_bytes
+
+        return self._make_room(node, TierName.CPU, nbytes, protected, now, free_one)
 
     def _cpu_leaf(self, uid: UnitId) -> bool:
         """No child unit still has a CPU copy: demoting this one keeps heads above tails."""
@@ -362,21 +381,15 @@ class ChunkIndex:
         self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
         """Drop disk-only tails; a unit with a copy in memory is never dropped for disk room."""
-        disk = self._nodes[node][TierName.DISK]
-        if nbytes > disk.capacity_bytes:
-            return False
-        for uid in self._policy.candidates():
-            if disk.used_bytes + nbytes <= disk.capacity_bytes:
-                return True
-            if uid not in self._units or self._units[uid].children:
-                continue
-            if not self._has_tier(uid, TierName.DISK, node) or self._has_tier(uid, TierName.CPU):
-                continue
-            if self._blocked(uid, protected, now):
-                continue
-            self._drop_unit(uid, actions)
-            self.stats.evicted_chunks += 1
-        return disk.used_bytes + nbytes <= disk.capacity_bytes
+
+        def free_one(uid: UnitId) -> None:
+            if self._units[uid].children or self._has_tier(uid, TierName.CPU):
+                return
+            if self._has_tier(uid, TierName.DISK, node):
+                self._drop_unit(uid, actions)
+                self.stats.evicted_chunks += 1
+
+        return self._make_room(node, TierName.DISK, nbytes, protected, now, free_one)
 
     def _demote_to_watermark(
         self, node: NodeId, protected: set[UnitId], now: float, actions: Actions
