@@ -173,3 +173,26 @@ def test_store_to_a_dead_node_store_is_skipped_not_fatal(cfg: TierStoreConfig) -
     with pytest.raises(TierStoreError, match="job 3 failed"):
         worker.get_finished()
     assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+
+
+def test_engines_of_different_models_never_read_each_others_chunks(cfg: TierStoreConfig) -> None:
+    """Same block hashes (keys), two namespaces: each engine gets back only its own bytes."""
+    kv_a, kv_b = _kv(), [torch.full_like(t, 7) for t in _kv()]
+    keys = _keys(1, 0)
+    src = GPULoadStoreSpec([1, 2], group_sizes=[2, 0], block_indices=[0, 0])
+    for namespace, kv in ((Namespace("aaaa"), kv_a), (Namespace("bbbb"), kv_b)):
+        worker = _worker(cfg, kv)
+        worker.submit_store(1, src, StoreSpec(namespace, tuple(keys)))
+        assert _drain(worker, 1) == [1]
+    evictor = get_or_create_evictor(cfg)
+    for namespace, expected in ((Namespace("aaaa"), kv_a[0]), (Namespace("bbbb"), kv_b[0])):
+        (answer,) = ray.get(evictor.lookup.remote(namespace, keys, "t", 5.0))
+        target = [torch.zeros_like(t) for t in _kv()]
+        worker = _worker(cfg, target)
+        spec = LoadSpec.build(namespace, keys, [answer[1]])
+        worker.submit_load(
+            2, spec, GPULoadStoreSpec([5, 6], group_sizes=[2, 0], block_indices=[0, 0])
+        )
+        assert _drain(worker, 1) == [2]
+        assert torch.equal(target[0][5:7, :96], expected[1:3, :96])
+    assert ray.get(evictor.lookup.remote(Namespace("cccc"), keys, "t", 5.0))[0][0] == "miss"
