@@ -18,12 +18,10 @@ import time
 from pathlib import Path
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.evictor import EVICTOR_NAME, Evictor, node_store_name
-from actors.node_store_actor import NodeStore
+from actors.evictor import Evictor
+from actors.placement import EVICTOR_NAME, alive_node_ids, node_store_name, place_node_store
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import Watermarks
 from tierstore.errors import ClusterUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -99,11 +97,7 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
             get_if_exists=True,
             num_cpus=0,
         )
-        .remote(
-            cfg.namespace,
-            cfg.eviction_policy,
-            Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark),
-        )
+        .remote(cfg)
     )
 
 
@@ -113,19 +107,7 @@ def get_or_create_node_store(
     """The NodeStore of ``node_id`` (default: this process's node), pinned to it."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
     get_or_create_evictor(cfg)
-    handle = (
-        ray.remote(NodeStore)
-        .options(
-            name=node_store_name(node_id),
-            namespace=cfg.namespace,
-            lifetime="detached",
-            get_if_exists=True,
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        )
-        .remote(node_id, cfg, EVICTOR_NAME)
-    )
-    return handle
+    return place_node_store(cfg, node_id)
 
 
 def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
@@ -138,9 +120,7 @@ def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
 def ensure_actors(cfg: TierStoreConfig) -> None:
     """Evictor plus one NodeStore on every alive node; returns once all answer."""
     evictor = get_or_create_evictor(cfg)
-    handles = [
-        get_or_create_node_store(cfg, node["NodeID"]) for node in ray.nodes() if node["Alive"]
-    ]
+    handles = [get_or_create_node_store(cfg, node_id) for node_id in alive_node_ids()]
     ray.get([evictor.status.remote(), *[h.status.remote() for h in handles]])
 
 

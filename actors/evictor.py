@@ -9,10 +9,13 @@ them is one-way, and the calling NodeStore gets its own share in the reply.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import ray
 
+from actors.placement import alive_node_ids, node_store_name, place_node_store
+from tierstore.config import TierStoreConfig
 from tierstore.control.index import (
     Actions,
     ChunkIndex,
@@ -25,19 +28,53 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
 
-EVICTOR_NAME = "tierstore-evictor"
-
-
-def node_store_name(node_id: str) -> str:
-    return f"tierstore-nodestore-{node_id}"
+# How often the Evictor reconciles NodeStores with Ray's alive nodes. Ray itself marks
+# a lost node dead after ~14 s of failed health checks, so polling faster gains little.
+_RECONCILE_PERIOD_S = 2.0
 
 
 class Evictor:
-    def __init__(
-        self, namespace: str, policy: str = "lru", watermarks: Watermarks | None = None
-    ) -> None:
-        self._namespace = namespace
-        self._index = ChunkIndex(policy, watermarks)
+    """Also keeps one NodeStore on every alive node: a node that joins gets one within
+    a reconcile period, and a node that leaves has its chunks forgotten."""
+
+    def __init__(self, cfg: TierStoreConfig) -> None:
+        self._cfg = cfg
+        self._namespace = cfg.namespace
+        self._index = ChunkIndex(
+            cfg.eviction_policy, Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark)
+        )
+        self._stop = threading.Event()
+        me = ray.get_runtime_context().current_actor
+        # The thread only enqueues calls to this actor: all index work stays on the
+        # actor's own thread, so nothing here needs a lock.
+        self._ticker = threading.Thread(
+            target=self._tick, args=(me,), name="tierstore-reconcile", daemon=True
+        )
+        self._ticker.start()
+
+    def _tick(self, me: ray.actor.ActorHandle) -> None:
+        while not self._stop.wait(_RECONCILE_PERIOD_S):
+            try:
+                me.reconcile.remote()
+            except Exception:  # the actor is going away
+                return
+
+    def reconcile(self) -> dict[str, list[str]]:
+        """Place NodeStores on new nodes; forget the chunks of nodes that left."""
+        alive = alive_node_ids()
+        known = set(self._index.nodes())
+        started = []
+        for node_id in alive:
+            try:
+                ray.get_actor(node_store_name(node_id), namespace=self._namespace)
+            except ValueError:
+                place_node_store(self._cfg, node_id)  # registers itself when it is up
+                started.append(node_id)
+        gone = sorted(known - alive)
+        for node_id in gone:
+            logger.warning("node %s left the cluster; forgetting its chunks", node_id)
+            self.forget_node(node_id)
+        return {"started": started, "forgotten": gone}
 
     def register_node(self, node_id: str, cpu_bytes: int, disk_bytes: int = 0) -> None:
         self._index.register_node(NodeId(node_id), cpu_bytes, disk_bytes)

@@ -34,7 +34,7 @@ def collect_status(namespace: str) -> dict[str, Any]:
     """Per node and tier: used and capacity bytes and chunks; cluster totals."""
     import ray
 
-    from actors.evictor import EVICTOR_NAME, node_store_name
+    from actors.placement import EVICTOR_NAME, node_store_name
 
     try:
         evictor = ray.get_actor(EVICTOR_NAME, namespace=namespace)

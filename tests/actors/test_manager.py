@@ -79,7 +79,7 @@ class _SlowEvictor(Evictor):
 
 
 def test_scheduler_calls_do_not_wait_for_a_slow_evictor(cfg: TierStoreConfig) -> None:
-    slow = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg.namespace)
+    slow = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
     manager = TierStoreManager(cfg, NS, EvictorChannel(slow))
     ctx = ReqContext(req_id="r2")
     manager.on_new_request(ctx)

@@ -1,0 +1,35 @@
+"""Where tierstore's actors live: names, and one NodeStore pinned to each node."""
+
+from __future__ import annotations
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.node_store_actor import NodeStore
+from tierstore.config import TierStoreConfig
+
+EVICTOR_NAME = "tierstore-evictor"
+
+
+def node_store_name(node_id: str) -> str:
+    return f"tierstore-nodestore-{node_id}"
+
+
+def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandle:
+    """Start (or find) the NodeStore of ``node_id``; returns at once, never waits on it."""
+    return (
+        ray.remote(NodeStore)
+        .options(
+            name=node_store_name(node_id),
+            namespace=cfg.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(node_id, cfg, EVICTOR_NAME)
+    )
+
+
+def alive_node_ids() -> set[str]:
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}

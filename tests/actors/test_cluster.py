@@ -1,0 +1,92 @@
+"""Several simulated nodes (ray.cluster_utils): placement follows nodes joining and leaving."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
+from actors.placement import node_store_name
+from tierstore.config import TierStoreConfig
+from tierstore.control.index import LookupState, ShardOffer
+from tierstore.keys import ChunkKey, Namespace
+
+NAMESPACE = "tierstore-cluster-tests"
+NS = Namespace("c1c1")
+# Ray's own tests shorten failure detection like this (ray-notes.md).
+FAST_HEALTH_CHECKS = {
+    "health_check_period_ms": 100,
+    "health_check_timeout_ms": 100,
+    "health_check_failure_threshold": 3,
+    "health_check_initial_delay_ms": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "_system_config": FAST_HEALTH_CHECKS},
+    )
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    yield cluster
+    shutdown_actors(NAMESPACE)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _wait(check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.2)
+
+
+def _has_store(node_id: str) -> bool:
+    try:
+        ray.get_actor(node_store_name(node_id), namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def test_every_node_gets_a_node_store_and_a_lost_node_takes_its_chunks(cluster: Cluster) -> None:
+    cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, namespace=NAMESPACE)
+    ensure_actors(cfg)
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 2 and all(_has_store(n) for n in nodes)
+
+    # A node that joins later gets its NodeStore without anyone running `tierstore up`.
+    joined = cluster.add_node(num_cpus=1)
+    assert _wait(lambda: _has_store(joined.node_id)), "no NodeStore on the new node"
+    evictor = get_or_create_evictor(cfg)
+    assert _wait(lambda: joined.node_id in ray.get(evictor.status.remote())["nodes"])
+
+    # A chunk whose rank 1 lives on the new node: a HIT while the node is up...
+    key = ChunkKey(b"\x01" * 8 + b"\0\0\0\0")
+    head = ray.get_runtime_context().get_node_id()
+    ray.get(evictor.admit.remote(head, [ShardOffer(NS, key, 0, 2, 100)]))
+    ray.get(evictor.admit.remote(joined.node_id, [ShardOffer(NS, key, 1, 2, 100)]))
+    (answer,) = ray.get(evictor.lookup.remote(NS, [key], "t", 1.0))
+    assert LookupState(answer[0]) is LookupState.HIT
+
+    # ...and forgotten everywhere once the node is gone: a miss, not a hang.
+    cluster.remove_node(joined, allow_graceful=False)
+
+    def forgotten() -> bool:
+        status = ray.get(evictor.status.remote())
+        return joined.node_id not in status["nodes"]
+
+    assert _wait(forgotten), "the lost node is still indexed"
+    (answer,) = ray.get(evictor.lookup.remote(NS, [key], "t", 1.0), timeout=10)
+    assert LookupState(answer[0]) is LookupState.MISS
+    head_status = ray.get(evictor.status.remote())["nodes"][head]
+    assert head_status["cpu"]["used_bytes"] == 0  # rank 0's shard was dropped too
