@@ -96,6 +96,8 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
+            # Killed or crashed, it comes back and rebuilds its index from the NodeStores.
+            max_restarts=-1,
         )
         .remote(cfg)
     )

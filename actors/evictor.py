@@ -60,16 +60,24 @@ class Evictor:
                 return
 
     def reconcile(self) -> dict[str, list[str]]:
-        """Place NodeStores on new nodes; forget the chunks of nodes that left."""
+        """Place NodeStores on new nodes; forget the chunks of nodes that left.
+
+        A NodeStore this index does not know (this Evictor restarted and lost its
+        index, or the NodeStore is still starting) is asked to offer its inventory
+        again: one-way, and idempotent, as everything sent to a NodeStore.
+        """
         alive = alive_node_ids()
         known = set(self._index.nodes())
         started = []
         for node_id in alive:
             try:
-                ray.get_actor(node_store_name(node_id), namespace=self._namespace)
+                store = ray.get_actor(node_store_name(node_id), namespace=self._namespace)
             except ValueError:
                 place_node_store(self._cfg, node_id)  # registers itself when it is up
                 started.append(node_id)
+                continue
+            if node_id not in known:
+                store.reregister.remote()
         gone = sorted(known - alive)
         for node_id in gone:
             logger.warning("node %s left the cluster; forgetting its chunks", node_id)
@@ -86,10 +94,13 @@ class Evictor:
         return result.accepted, self._send(result.actions, keep=NodeId(node_id))
 
     def restore(
-        self, node_id: str, held: list[tuple[ShardOffer, TierName]]
+        self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]:
         accepted, actions = self._index.restore(
-            NodeId(node_id), [(ShardOffer(*o), TierName(t)) for o, t in held]
+            NodeId(node_id),
+            [(ShardOffer(*o), TierName(t)) for o, t in held],
+            now=time.monotonic(),
+            grace_s=self._cfg.lease_ttl_s if grace else 0.0,
         )
         return accepted, self._send(actions, keep=NodeId(node_id))
 

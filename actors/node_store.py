@@ -50,7 +50,7 @@ class EvictorPort(Protocol):
     def admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult: ...
 
     def restore(
-        self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
+        self, node: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]: ...
 
     def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
@@ -102,15 +102,19 @@ class NodeStoreCore:
             self.defer = self.apply
 
     # ---- start-up ----------------------------------------------------------------------
-    def register_inventory(self) -> int:
-        """Offer what the disk tier recovered to the Evictor; drop what it refuses."""
+    def register_inventory(self, after_evictor_restart: bool = False) -> int:
+        """Offer what this node holds to the Evictor; drop what it refuses.
+
+        ``after_evictor_restart``: HITs granted by the lost index may still be loading,
+        so the Evictor keeps these chunks leased for a while.
+        """
         held = [
             (_offer(shard_id, meta), TierName.DISK)
             for shard_id, meta in (self.disk.items() if self.disk else [])
         ] + [(_offer(shard_id, meta), TierName.CPU) for shard_id, meta in self.cpu.items()]
         if not held:
             return 0
-        accepted, actions = self.evictor.restore(self.node_id, held)
+        accepted, actions = self.evictor.restore(self.node_id, held, after_evictor_restart)
         self.apply(actions)
         return sum(accepted)
 

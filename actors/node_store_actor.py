@@ -32,9 +32,9 @@ class RayEvictorPort:
         return AdmitResult(accepted, {node: actions})
 
     def restore(
-        self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
+        self, node: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]:
-        return ray.get(self._evictor.restore.remote(node, held))
+        return ray.get(self._evictor.restore.remote(node, held, grace))
 
     def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
         self._evictor.promoted.remote(node, done, failed)
@@ -65,6 +65,9 @@ def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
 class NodeStore:
     def __init__(self, node_id: str, cfg: TierStoreConfig, evictor_name: str) -> None:
         evictor = ray.get_actor(evictor_name, namespace=cfg.namespace)
+        self._evictor = evictor
+        self._node_id = node_id
+        self._cpu_bytes, self._disk_bytes = cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node
         ray.get(
             evictor.register_node.remote(node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node)
         )
@@ -84,6 +87,13 @@ class NodeStore:
         recovered = self._core.register_inventory()
         if recovered:
             logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
+
+    def reregister(self) -> int:
+        """The Evictor restarted and lost its index: offer it everything held here again."""
+        ray.get(
+            self._evictor.register_node.remote(self._node_id, self._cpu_bytes, self._disk_bytes)
+        )
+        return self._core.register_inventory(after_evictor_restart=True)
 
     def store(
         self,

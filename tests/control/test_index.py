@@ -231,3 +231,13 @@ def test_room_for_a_chunk_is_never_made_by_evicting_its_own_parent() -> None:
     result = index.admit(A, [offer(1, parent=0)], now=0)
     assert result.accepted == [True]
     assert result.actions[A].drop == [sid(5)]
+
+
+def test_offering_the_same_inventory_twice_keeps_everything() -> None:
+    """A NodeStore re-registering (Evictor restart, or a race at start) must lose nothing."""
+    index = ChunkIndex()
+    index.register_node(A, 1000, 1000)
+    held = [(offer(i), tier) for i in range(3) for tier in (CPU, DISK)]
+    assert index.restore(A, held) == ([True] * 6, {})
+    assert index.restore(A, held) == ([True] * 6, {})
+    assert index.nodes()[A] == {CPU: (300, 1000, 3), DISK: (300, 1000, 3)}

@@ -55,7 +55,7 @@ class LocalEvictor:
         self.deliver(result.actions, skip=node)
         return result
 
-    def restore(self, node, held):  # type: ignore[no-untyped-def]
+    def restore(self, node, held, grace=False):  # type: ignore[no-untyped-def]
         accepted, actions = self.index.restore(node, held)
         self.deliver(actions, skip=node)
         return accepted, actions.get(node, NodeActions())

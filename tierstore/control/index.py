@@ -142,6 +142,9 @@ class Watermarks:
     low: float = 0.85
 
 
+_RESTORE_GRACE_HOLDER = "tierstore/restore-grace"
+
+
 class ChunkIndex:
     """Single-threaded: the Evictor actor serialises every call."""
 
@@ -164,13 +167,19 @@ class ChunkIndex:
         tiers[TierName.DISK].capacity_bytes = disk_bytes
 
     def restore(
-        self, node: NodeId, held: list[tuple[ShardOffer, TierName]]
+        self,
+        node: NodeId,
+        held: list[tuple[ShardOffer, TierName]],
+        now: float = 0.0,
+        grace_s: float = 0.0,
     ) -> tuple[list[bool], Actions]:
         """Re-index copies a node already holds (start-up, or after an Evictor restart).
 
         Disk copies are taken first. A copy that no longer fits (capacities shrank) or a
         shard already indexed on another node is refused: the node frees the memory copy
-        of a shard whose disk copy was kept, and drops the rest.
+        of a shard whose disk copy was kept, and drops the rest. Restored chunks are
+        leased for ``grace_s``: the leases of HITs granted before a restart were lost
+        with the old index, and those loads must still find their chunks.
         """
         order = sorted(range(len(held)), key=lambda i: held[i][1] != TierName.DISK)
         accepted = [False] * len(held)
@@ -182,15 +191,24 @@ class ChunkIndex:
             chunk = self._chunks.get(ChunkId(offer.namespace, offer.key))
             shard = chunk.shards.get(offer.rank) if chunk is not None else None
             fits = account.used_bytes + offer.nbytes <= account.capacity_bytes
-            if shard is not None and shard.node == node and tier not in shard.tiers and fits:
+            if shard is not None and shard.node == node and tier in shard.tiers:
+                accepted[i] = True  # already indexed: offering it again changes nothing
+            elif shard is not None and shard.node == node and fits:
                 shard.tiers.add(tier)
                 self._account(node, tier, offer.nbytes, +1)
                 accepted[i] = True
             elif shard is None and fits:
                 self._add_shard(node, offer, tier)
                 accepted[i] = True
+                if grace_s > 0:
+                    cid = ChunkId(offer.namespace, offer.key)
+                    self._leases[cid][_RESTORE_GRACE_HOLDER] = now + grace_s
             elif shard is not None and shard.node == node and TierName.DISK in shard.tiers:
                 actions[node].demote.append(shard_id)  # keep the disk copy, free memory
+            elif shard is not None and shard.node == node:
+                # A disk copy that no longer fits beside an indexed memory copy: rare
+                # enough to forget the chunk rather than track half of it.
+                self._drop_unit(UnitId(offer.namespace, boundary_of(offer.key)), actions)
             else:
                 actions[node].drop.append(shard_id)
         return accepted, dict(actions)
