@@ -100,6 +100,8 @@ class NodeStoreCore:
     def __post_init__(self) -> None:
         if self.defer is None:
             self.defer = self.apply
+        if self.disk is not None:  # corrupt files found (and removed) while re-indexing
+            self.stats.corrupt_before_hit += self.disk.corrupt_files_removed
 
     # ---- start-up ----------------------------------------------------------------------
     def register_inventory(self, after_evictor_restart: bool = False) -> int:

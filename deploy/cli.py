@@ -53,6 +53,10 @@ def collect_status(namespace: str) -> dict[str, Any]:
             continue
         nodes.append(ray.get(store.status.remote()))
     stats = evictor_status["totals"]
+    # Corruption is detected where the bytes are: sum what each NodeStore found,
+    # including files it rejected while re-indexing its disk at start-up.
+    for counter in ("corrupt_before_hit", "corrupt_after_hit"):
+        stats[counter] = sum(node["stats"][counter] for node in nodes)
     return {
         "nodes": nodes,
         "totals": {
@@ -95,6 +99,11 @@ def format_status(status: dict[str, Any]) -> str:
     lines.append(
         f"stored chunks {totals['stored_chunks']}, loaded chunks {totals['loaded_chunks']}, "
         f"hits {totals['hits']}, misses {totals['misses']} (hit rate {hit_rate})"
+    )
+    lines.append(
+        f"evicted {totals['evicted_chunks']}, demoted {totals['demoted_shards']}, promoted "
+        f"{totals['promoted_shards']}, skipped stores {totals['skipped_stores']}, corrupt "
+        f"{totals['corrupt_before_hit']} before HIT / {totals['corrupt_after_hit']} after"
     )
     return "\n".join(lines)
 
