@@ -1,0 +1,121 @@
+"""Data plane: tierstore store and load GB/s against memcpy and a plain ray.put/ray.get.
+
+All in one run on the same Ray cluster: a job of ``size`` bytes of KV pages is stored
+(gather, checksum, put, NodeStore admits and copies it) and loaded back (NodeStore
+gathers and puts, worker gets, verifies and scatters). The baselines move the same bytes
+with ``numpy.copyto`` and with ``ray.put`` + ``ray.get`` of a numpy array.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
+from tierstore.config import TierStoreConfig
+from tierstore.data.layout import ChunkLayout
+from tierstore.keys import ChunkKey, Namespace
+from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+from tierstore.vllm.worker import TierStoreWorker
+
+NS = Namespace("da7a")
+PAGE = 64 * 1024  # bytes of one block's page (one layer)
+_REPEATS = 5
+
+
+def _median_s(run: Callable[[], None]) -> float:
+    times = []
+    for _ in range(_REPEATS):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _drain(worker: TierStoreWorker, job_id: int) -> None:
+    while True:
+        if any(r.job_id == job_id for r in worker.get_finished()):
+            return
+        time.sleep(0.0005)
+
+
+def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, Any]:
+    blocks = size // PAGE
+    kv = torch.randint(-128, 127, (2 * blocks + 1, PAGE), dtype=torch.int8)
+    layout = ChunkLayout([kv], [[(0, PAGE)]], blocks_per_chunk=blocks)
+    node = ray.get_runtime_context().get_node_id()
+    store = get_or_create_node_store(cfg, node)
+    worker = TierStoreWorker(layout, 0, 1, store, lambda n: find_node_store(cfg.namespace, n), 120)
+    src = GPULoadStoreSpec(list(range(1, blocks + 1)), group_sizes=[blocks], block_indices=[0])
+    dst = GPULoadStoreSpec(
+        list(range(blocks + 1, 2 * blocks + 1)), group_sizes=[blocks], block_indices=[0]
+    )
+    evictor = get_or_create_evictor(cfg)
+
+    def store_once() -> ChunkKey:
+        round_[0] += 1
+        key = ChunkKey(round_[0].to_bytes(8, "big") + b"\0\0\0\0")
+        worker.submit_store(round_[0], src, StoreSpec(NS, (key,)))
+        _drain(worker, round_[0])
+        return key
+
+    keys: list[ChunkKey] = []
+    store_s = _median_s(lambda: keys.append(store_once()))
+    (answer,) = ray.get(evictor.lookup.remote(NS, [keys[-1]], "bench", 60.0))
+    spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
+
+    def load_once() -> None:
+        round_[0] += 1
+        worker.submit_load(round_[0], spec, dst)
+        _drain(worker, round_[0])
+
+    load_s = _median_s(load_once)
+    assert torch.equal(kv[blocks + 1 :], kv[1 : blocks + 1])  # the bytes really moved
+    data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    out = np.empty_like(data)
+    memcpy_s = _median_s(lambda: np.copyto(out, data))
+    put_s = _median_s(lambda: ray.put(data))
+    ref = ray.put(data)
+    get_s = _median_s(lambda: ray.get(ref))
+    roundtrip_s = _median_s(lambda: ray.get(ray.put(data)))
+    worker.shutdown()
+    gbps = lambda seconds: size / seconds / 1e9  # noqa: E731
+    return {
+        "bytes": size,
+        "GBps": {
+            "tierstore_store": gbps(store_s),
+            "tierstore_load": gbps(load_s),
+            "memcpy": gbps(memcpy_s),
+            "ray_put": gbps(put_s),
+            "ray_get": gbps(get_s),
+            "ray_put_get": gbps(roundtrip_s),
+        },
+        "store_vs_memcpy": memcpy_s / store_s,
+        "load_vs_memcpy": memcpy_s / load_s,
+        "store_vs_ray_put_get": roundtrip_s / store_s,
+        "load_vs_ray_put_get": roundtrip_s / load_s,
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20]
+    cfg = TierStoreConfig(cpu_bytes_per_node=2 * (64 << 20) * _REPEATS, namespace="tierstore-bench")
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address="local", namespace=cfg.namespace, include_dashboard=False)
+    try:
+        counter = [0]
+        return {"sizes": [bench_size(cfg, size, counter) for size in sizes]}
+    finally:
+        from actors.bootstrap import shutdown_actors
+
+        shutdown_actors(cfg.namespace)
+        if started_here:
+            ray.shutdown()
