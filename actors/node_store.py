@@ -22,12 +22,7 @@ from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
-from tierstore.errors import (
-    ChunkCorruptError,
-    ChunkNotFoundError,
-    TierFullError,
-    TierStoreError,
-)
+from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
@@ -321,6 +316,3 @@ def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:
     return ShardOffer(
         shard_id.namespace, shard_id.key, shard_id.rank, meta.world_size, meta.nbytes, meta.parent
     )
-
-
-__all__ = ["EvictorPort", "NodeStoreCore", "ShardEntry", "TierStoreError"]

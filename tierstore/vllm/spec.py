@@ -67,6 +67,20 @@ def namespace_for(config: OffloadingConfig) -> Namespace:
     )
 
 
+class _StoreDirectory:
+    """NodeStore handles by node, looked up once each (a lookup is a GCS round trip)."""
+
+    def __init__(self, namespace: str, local: NodeId, local_store: ray.actor.ActorHandle) -> None:
+        self._namespace = namespace
+        self._handles: dict[NodeId, ray.actor.ActorHandle] = {local: local_store}
+
+    def __call__(self, node: NodeId) -> ray.actor.ActorHandle:
+        handle = self._handles.get(node)
+        if handle is None:
+            handle = self._handles[node] = find_node_store(self._namespace, node)
+        return handle
+
+
 class TierStoreSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -118,8 +132,6 @@ class TierStoreSpec(OffloadingSpec):
             rank=self.config.parallel.rank,
             world_size=self.config.parallel.world_size,
             local_store=local_store,
-            find_store=lambda node: (
-                local_store if node == node_id else find_node_store(namespace, NodeId(node))
-            ),
+            find_store=_StoreDirectory(namespace, NodeId(node_id), local_store),
             transfer_timeout_s=self.store_config.transfer_timeout_s,
         )
