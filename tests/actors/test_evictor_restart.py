@@ -25,23 +25,19 @@ def test_killed_evictor_restarts_and_reindexes_every_chunk(cfg: TierStoreConfig)
     assert ray.get(evictor.status.remote())["chunks"] == 5
 
     ray.kill(evictor, no_restart=False)
-    deadline = time.monotonic() + 90  # a restart spawns a new worker process: slow under load
-    chunks = 0
-    while time.monotonic() < deadline:
-        try:
-            chunks = ray.get(evictor.status.remote(), timeout=5)["chunks"]
-        except ray.exceptions.RayError:  # unavailable while it restarts
-            chunks = 0
-        if chunks == 5:
-            break
-        time.sleep(0.1)
-    assert chunks == 5, "the restarted Evictor did not rebuild its index"
+    # Wait until the restarted Evictor answers HITs again. Ray may deliver the kill more
+    # than once (a second restart, seen under load): each incarnation rebuilds the index
+    # from the NodeStores within one reconcile period, so only the end state matters.
+    deadline = time.monotonic() + 90
     states: list[LookupState] = []
     while time.monotonic() < deadline:
-        try:  # the caller's view of a restarted actor can lag a moment behind under load
-            states = _lookup(cfg, keys)
+        try:
+            states = _lookup(cfg, keys, ttl=1.0)
+        except ray.exceptions.RayError:  # unavailable while it restarts
+            states = []
+        if states == [LookupState.HIT] * 5:
             break
-        except ray.exceptions.ActorUnavailableError:
-            time.sleep(0.2)
-    assert states == [LookupState.HIT] * 5
+        time.sleep(0.2)
+    assert states == [LookupState.HIT] * 5, "the restarted Evictor did not rebuild its index"
+    assert ray.get(evictor.status.remote())["chunks"] == 5
     _load_spec(cfg, keys)  # and they load
