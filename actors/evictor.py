@@ -16,6 +16,7 @@ import ray
 
 from actors.placement import alive_node_ids, node_store_name, place_node_store
 from tierstore.config import TierStoreConfig
+from tierstore.control.events import EventBatch, EventLog
 from tierstore.control.index import (
     Actions,
     ChunkIndex,
@@ -43,6 +44,7 @@ class Evictor:
         self._index = ChunkIndex(
             cfg.eviction_policy, Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark)
         )
+        self._events = EventLog()
         self._stop = threading.Event()
         me = ray.get_runtime_context().current_actor
         # The thread only enqueues calls to this actor: all index work stays on the
@@ -88,20 +90,37 @@ class Evictor:
         self._index.register_node(NodeId(node_id), cpu_bytes, disk_bytes)
 
     def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
-        result = self._index.admit(
-            NodeId(node_id), [ShardOffer(*o) for o in offers], time.monotonic()
-        )
+        shard_offers = [ShardOffer(*o) for o in offers]
+        result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
+        admitted = [
+            ShardId(o.namespace, o.key, o.rank)
+            for o, ok in zip(shard_offers, result.accepted, strict=True)
+            if ok
+        ]
+        self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
         return result.accepted, self._send(result.actions, keep=NodeId(node_id))
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]:
+        shards = [(ShardOffer(*o), TierName(t)) for o, t in held]
         accepted, actions = self._index.restore(
             NodeId(node_id),
-            [(ShardOffer(*o), TierName(t)) for o, t in held],
+            shards,
             now=time.monotonic(),
             grace_s=self._cfg.lease_ttl_s if grace else 0.0,
         )
+        for tier in TierName:
+            self._events.record(
+                NodeId(node_id),
+                tier,
+                False,
+                [
+                    ShardId(o.namespace, o.key, o.rank)
+                    for (o, t), ok in zip(shards, accepted, strict=True)
+                    if ok and t == tier
+                ],
+            )
         return accepted, self._send(actions, keep=NodeId(node_id))
 
     def lookup(
@@ -114,9 +133,11 @@ class Evictor:
         return answers
 
     def promoted(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> None:
+        self._events.record(NodeId(node_id), TierName.CPU, False, _ids(done))
         self._send(self._index.promoted(NodeId(node_id), _ids(done), _ids(failed)))
 
     def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> None:
+        self._record_removed(NodeId(node_id), _ids(shard_ids))
         self._send(self._index.forget_shards(_ids(shard_ids)))
 
     def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> None:
@@ -137,7 +158,16 @@ class Evictor:
         self._index.release_holder(holder)
 
     def forget_node(self, node_id: str) -> None:
+        held = self._index.shards_on(NodeId(node_id))
+        for tier in TierName:
+            self._events.record(
+                NodeId(node_id), tier, True, [shard for shard, t in held if t == tier]
+            )
         self._send(self._index.forget_node(NodeId(node_id)))
+
+    def events_since(self, after: int, namespace: Namespace) -> EventBatch:
+        """Residency changes of ``namespace`` (KV-cache events), oldest first."""
+        return self._events.since(after, namespace)
 
     def index_view(self, node_id: str) -> set[tuple[ShardId, TierName]]:
         """What the index believes ``node_id`` holds (tests compare it with the node)."""
@@ -160,6 +190,7 @@ class Evictor:
         """Send each node its actions, one-way; return (not send) those of ``keep``."""
         own = NodeActions()
         for node, node_actions in actions.items():
+            self._record_actions(node, node_actions)
             if node == keep:
                 own = node_actions
                 continue
@@ -172,6 +203,16 @@ class Evictor:
                 continue
             store.apply.remote(node_actions)
         return own
+
+    def _record_actions(self, node: NodeId, actions: NodeActions) -> None:
+        """Promotions are recorded when done (``promoted``): they may fail."""
+        self._record_removed(node, actions.drop)
+        self._events.record(node, TierName.CPU, True, actions.demote)
+        self._events.record(node, TierName.DISK, False, actions.demote + actions.persist)
+
+    def _record_removed(self, node: NodeId, shard_ids: list[ShardId]) -> None:
+        for tier in TierName:  # a consumer ignores the removal of a copy it never saw
+            self._events.record(node, tier, True, shard_ids)
 
 
 def _ids(shard_ids: list[ShardId]) -> list[ShardId]:

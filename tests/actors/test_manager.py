@@ -5,13 +5,22 @@ from __future__ import annotations
 import time
 
 import ray
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    ScheduleEndContext,
+)
 
 from actors.bootstrap import get_or_create_evictor
 from actors.evictor import Evictor
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ShardOffer
-from tierstore.keys import ChunkKey, Namespace
+from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.spec import TierStoreSpec
+from tierstore.vllm import metrics
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.transfer_specs import LoadSpec
@@ -106,3 +115,90 @@ def test_prepare_store_skips_keys_stored_or_in_flight(cfg: TierStoreConfig) -> N
     manager.complete_store({_key(1), _key(2)}, ctx)
     assert manager.prepare_store([_key(1), _key(2), _key(4)], ctx).keys_to_store == [_key(4)]
     manager.shutdown()
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"never saw {what}")
+
+
+def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreConfig) -> None:
+    evictor = get_or_create_evictor(cfg)
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(evictor.register_node.remote(node, 1000))
+    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 100)]))
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))
+    ctx = ReqContext(req_id="r4")
+    manager.on_new_request(ctx)
+    for key in (_key(1), _key(2)):
+        manager.lookup(key, ctx)
+    manager.on_schedule_end(END)
+    assert _settle(manager, _key(1), ctx) is LookupResult.HIT
+    assert _settle(manager, _key(2), ctx) is LookupResult.MISS
+    manager.prepare_load([_key(1)], ctx)
+    manager.complete_load([_key(1)], ctx)
+
+    values = manager.get_stats().data["data"]
+    assert values[metrics.LOOKUP_HITS] == {("cpu",): 1}
+    assert values[metrics.LOOKUP_MISSES] == {(): 1}
+    assert values[metrics.LOADED_CHUNKS] == {("cpu",): 1}
+    assert len(values[metrics.LOAD_LATENCY][()]) == 1
+    payloads = [values]
+
+    def tier_gauges() -> dict | None:  # type: ignore[type-arg]
+        manager.on_schedule_end(END)  # polls the Evictor's status, at most once a second
+        stats = manager.get_stats()
+        if stats is not None:
+            payloads.append(stats.data["data"])
+        return next((p[metrics.TIER_USED] for p in payloads if metrics.TIER_USED in p), None)
+
+    assert _wait_for(tier_gauges, "the Evictor's status")[(node[:12], "cpu")] == 100
+    # Taken counters are not sent twice.
+    assert all(metrics.LOOKUP_HITS not in p for p in payloads[1:])
+    # vLLM's API server asserts that every emitted name was declared, with its labels.
+    declared = TierStoreSpec.build_metric_definitions({})
+    for payload in payloads:
+        for name, by_labels in payload.items():
+            assert name in declared
+            assert all(len(labels) == len(declared[name].labelnames) for labels in by_labels)
+    manager.shutdown()
+
+
+def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
+    cfg: TierStoreConfig,
+) -> None:
+    evictor = get_or_create_evictor(cfg)
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(evictor.register_node.remote(node, 1000))
+    manager = TierStoreManager(
+        cfg, NS, EvictorChannel(evictor), local_node=NodeId(node), events_enabled=True
+    )
+    other = TierStoreManager(
+        cfg, NS, EvictorChannel(evictor), local_node=NodeId("elsewhere"), events_enabled=True
+    )
+    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 600)]))
+    # A different namespace's chunks are never announced to this engine.
+    ray.get(evictor.admit.remote(node, [ShardOffer(Namespace("other"), _key(9), 0, 1, 10)]))
+    # No room for both: key 1 is dropped (this node has no disk tier).
+    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 600)]))
+
+    def events_of(m: TierStoreManager) -> list[OffloadingEvent]:
+        m.on_schedule_end(END)  # polls the Evictor
+        time.sleep(0.1)
+        return list(m.take_events())
+
+    seen = _wait_for(lambda: events_of(manager), "KV events")
+    stored = [(e.keys, e.medium) for e in seen if not e.removed]
+    removed = [(e.keys, e.medium) for e in seen if e.removed]
+    assert stored == [([_key(1)], Medium.CPU), ([_key(3)], Medium.CPU)]
+    assert ([_key(1)], Medium.CPU) in removed
+    assert all(e.locality is Locality.LOCAL for e in seen)
+    remote = _wait_for(lambda: events_of(other), "KV events")
+    assert remote and all(e.locality is Locality.REMOTE for e in remote)
+    manager.shutdown()
+    other.shutdown()

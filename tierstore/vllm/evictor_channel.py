@@ -42,20 +42,25 @@ class EvictorChannel:
         lease_ttl_s: float,
         on_answers: Callable[[Answers], None],
     ) -> None:
-        self._queue.put(("lookup", (namespace, keys, holder, lease_ttl_s), on_answers, len(keys)))
+        misses = [LookupAnswer(LookupState.MISS)] * len(keys)
+        self._queue.put(("lookup", (namespace, keys, holder, lease_ttl_s), on_answers, misses))
 
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
     ) -> None:
-        self._queue.put(("extend_leases", (namespace, keys, holder, ttl_s), None, 0))
+        self._queue.put(("extend_leases", (namespace, keys, holder, ttl_s), None, None))
 
     def release(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, loaded: int = 0
     ) -> None:
-        self._queue.put(("release", (namespace, keys, holder, loaded), None, 0))
+        self._queue.put(("release", (namespace, keys, holder, loaded), None, None))
 
     def release_holder(self, holder: str) -> None:
-        self._queue.put(("release_holder", (holder,), None, 0))
+        self._queue.put(("release_holder", (holder,), None, None))
+
+    def poll(self, method: str, args: tuple[Any, ...], on_done: Callable[[Any], None]) -> None:
+        """A read-only Evictor call (status, events); ``on_done`` gets None if it failed."""
+        self._queue.put((method, args, on_done, None))
 
     def close(self) -> None:
         self._queue.put(_STOP)
@@ -76,17 +81,18 @@ class EvictorChannel:
                 return
 
     def _send(
-        self, batch: list[tuple[str, tuple[Any, ...], Callable[[Answers], None] | None, int]]
+        self, batch: list[tuple[str, tuple[Any, ...], Callable[[Any], None] | None, Any]]
     ) -> None:
+        """Each item: (method, args, callback, what the callback gets if the call fails)."""
         calls = []
-        for method, args, on_done, n_keys in batch:
+        for method, args, on_done, fallback in batch:
             try:
                 ref = getattr(self._evictor, method).remote(*args)
             except Exception:
                 logger.warning("Evictor call %s failed to send", method, exc_info=True)
                 ref = None
-            calls.append((ref, on_done, n_keys, method))
-        for ref, on_done, n_keys, method in calls:
+            calls.append((ref, on_done, fallback, method))
+        for ref, on_done, fallback, method in calls:
             result: Any = None
             if ref is not None:
                 try:
@@ -99,5 +105,4 @@ class EvictorChannel:
                         exc_info=True,
                     )
             if on_done is not None:
-                missed = [LookupAnswer(LookupState.MISS)] * n_keys
-                on_done(result if result is not None else missed)
+                on_done(result if result is not None else fallback)

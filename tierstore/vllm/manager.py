@@ -17,12 +17,16 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
+    Medium,
+    OffloadingEvent,
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
@@ -32,9 +36,11 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierstore.config import TierStoreConfig
+from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId, group_of
+from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of
+from tierstore.vllm import metrics
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
@@ -48,6 +54,10 @@ _KNOWN_STORED_MAX = 1_000_000
 _MISS_TTL_S = 1.0
 # A chunk being promoted from disk is asked about again after this long.
 _PENDING_RETRY_S = 0.005
+# The Evictor's status (tier gauges) and KV events are fetched at most this often.
+_POLL_PERIOD_S = 1.0
+
+_MEDIUMS = {TierName.CPU: Medium.CPU, TierName.DISK: Medium.STORAGE}
 
 
 _RESULTS = {
@@ -62,6 +72,7 @@ class _Answer:
     state: LookupState
     where: dict[int, NodeId] | None  # rank -> node of a HIT
     expires_at: float
+    tier: TierName = TierName.CPU  # where a HIT came from: DISK if it was promoted first
 
 
 @dataclass
@@ -70,6 +81,8 @@ class _RequestState:
     answers: dict[ChunkKey, _Answer] = field(default_factory=dict)
     pending: set[ChunkKey] = field(default_factory=set)
     unsent: list[ChunkKey] = field(default_factory=list)
+    unsent_since: float = 0.0  # when the oldest unsent key was first answered RETRY
+    promoting: set[ChunkKey] = field(default_factory=set)  # answered PENDING (on disk)
     leased: set[ChunkKey] = field(default_factory=set)
     loading: set[ChunkKey] = field(default_factory=set)
     # (group, end token) -> key, to name each stored chunk's parent in its chain.
@@ -84,8 +97,14 @@ class TierStoreManager(OffloadingManager):
         namespace: Namespace,
         channel: EvictorChannel,
         tokens_per_chunk: dict[int, int] | None = None,
+        local_node: NodeId | None = None,
+        events_enabled: bool = False,
     ) -> None:
-        """``tokens_per_chunk``: original group id -> tokens one chunk of it covers."""
+        """``tokens_per_chunk``: original group id -> tokens one chunk of it covers.
+
+        ``local_node``: this engine's node, so KV events can say LOCAL or REMOTE.
+        ``events_enabled``: vLLM drains ``take_events`` only with KV-cache events on.
+        """
         self._cfg = cfg
         self._namespace = namespace
         self._tokens_per_chunk = tokens_per_chunk or {}
@@ -95,6 +114,14 @@ class TierStoreManager(OffloadingManager):
         self._requests: dict[str, _RequestState] = {}
         self._storing: set[ChunkKey] = set()
         self._known_stored: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._metrics = metrics.ManagerMetrics()
+        self._job_started: dict[frozenset[ChunkKey], float] = {}  # store/load job start
+        self._local_node = local_node
+        self._events_enabled = events_enabled
+        self._events: list[OffloadingEvent] = []
+        self._event_seq = 0
+        self._next_poll_at = 0.0
+        self._polls_in_flight = 0
 
     @property
     def lock(self) -> threading.RLock:
@@ -139,6 +166,8 @@ class TierStoreManager(OffloadingManager):
                 state.leased.discard(key)
             if key not in state.pending:
                 state.pending.add(key)
+                if not state.unsent:
+                    state.unsent_since = time.monotonic()
                 state.unsent.append(key)
             return LookupResult.RETRY
 
@@ -155,10 +184,56 @@ class TierStoreManager(OffloadingManager):
                         keys,
                         state.holder,
                         self._cfg.lease_ttl_s,
-                        lambda answers, r=req_id, k=keys: self._on_answers(r, k, answers),
+                        lambda answers, r=req_id, k=keys, t=state.unsent_since: self._on_answers(
+                            r, k, answers, t
+                        ),
                     )
+            self._maybe_poll()
 
-    def _on_answers(self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer]) -> None:
+    def _maybe_poll(self) -> None:
+        """Ask for the Evictor's status and KV events, at most once per period."""
+        now = time.monotonic()
+        if now < self._next_poll_at or self._polls_in_flight:
+            return
+        self._next_poll_at = now + _POLL_PERIOD_S
+        self._polls_in_flight += 1
+        self._channel.poll("status", (), self._on_status)
+        if self._events_enabled:
+            self._polls_in_flight += 1
+            self._channel.poll("events_since", (self._event_seq, self._namespace), self._on_events)
+
+    def _on_status(self, status: dict[str, Any] | None) -> None:
+        """Runs on the channel's thread."""
+        with self._lock:
+            self._polls_in_flight -= 1
+            if status is not None:
+                self._metrics.cluster_status(status)
+
+    def _on_events(self, batch: EventBatch | None) -> None:
+        """Runs on the channel's thread."""
+        with self._lock:
+            self._polls_in_flight -= 1
+            if batch is None:
+                return
+            next_seq, lost, events = batch
+            if lost:
+                logger.warning("KV events: %d residency changes were lost (log wrapped)", lost)
+            self._event_seq = next_seq
+            for event in events:
+                self._events.append(
+                    OffloadingEvent(
+                        keys=list(event.keys),
+                        medium=_MEDIUMS[TierName(event.tier)],
+                        removed=event.removed,
+                        locality=Locality.LOCAL
+                        if event.node == self._local_node
+                        else Locality.REMOTE,
+                    )
+                )
+
+    def _on_answers(
+        self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer], asked_at: float
+    ) -> None:
         """Runs on the channel's thread."""
         now = time.monotonic()
         ttls = {
@@ -175,10 +250,21 @@ class TierStoreManager(OffloadingManager):
                 if held:
                     self._channel.release(self._namespace, held, f"{self._id}/{req_id}")
                 return
+            self._metrics.observe(metrics.LOOKUP_WAIT, now - asked_at)
             for key, (answer_state, where) in zip(keys, answers, strict=True):
                 answer_state = LookupState(answer_state)
                 state.pending.discard(key)
-                state.answers[key] = _Answer(answer_state, where, now + ttls[answer_state])
+                tier = TierName.CPU
+                if answer_state == LookupState.PENDING:
+                    state.promoting.add(key)
+                elif answer_state == LookupState.HIT:
+                    if key in state.promoting:
+                        state.promoting.discard(key)
+                        tier = TierName.DISK
+                    self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
+                else:
+                    self._metrics.count(metrics.LOOKUP_MISSES)
+                state.answers[key] = _Answer(answer_state, where, now + ttls[answer_state], tier)
                 if answer_state == LookupState.MISS:
                     # Evicted (or never stored): let the next prepare_store offer it again.
                     self._known_stored.pop(key, None)
@@ -205,6 +291,8 @@ class TierStoreManager(OffloadingManager):
                         "which was never a HIT"
                     )
                 where.append(answer.where)
+                self._metrics.count(metrics.LOADED_CHUNKS, tier=answer.tier)
+            self._job_started[frozenset(ordered)] = time.monotonic()
             state.loading.update(ordered)
             self._channel.extend_leases(
                 self._namespace, ordered, state.holder, self._cfg.lease_ttl_s
@@ -217,6 +305,7 @@ class TierStoreManager(OffloadingManager):
             state = self._requests.get(req_context.req_id)
             holder = state.holder if state else f"{self._id}/{req_context.req_id}"
             self._channel.release(self._namespace, list(keys), holder, loaded=len(keys))
+            self._observe_job(metrics.LOAD_LATENCY, keys)
             if state is not None:
                 state.loading.difference_update(keys)
                 state.leased.difference_update(keys)
@@ -250,6 +339,8 @@ class TierStoreManager(OffloadingManager):
                 self._remember_position(state, key, req_context)
             fresh = [k for k in keys if k not in self._known_stored and k not in self._storing]
             self._storing.update(fresh)
+            if fresh:
+                self._job_started[frozenset(fresh)] = time.monotonic()
             parents = tuple(self._parent(state, k, req_context) for k in fresh)
             return PrepareStoreOutput(
                 keys_to_store=fresh,
@@ -263,13 +354,33 @@ class TierStoreManager(OffloadingManager):
     ) -> None:
         with self._lock:
             self._storing.difference_update(keys)
+            self._observe_job(metrics.STORE_LATENCY, keys)
             if not success:
+                self._metrics.count(metrics.FAILED_STORES)
                 return
+            self._metrics.count(metrics.STORED_CHUNKS, len(keys))
             for key in keys:
                 self._known_stored[key] = None
                 self._known_stored.move_to_end(key)
             while len(self._known_stored) > _KNOWN_STORED_MAX:
                 self._known_stored.popitem(last=False)
+
+    def _observe_job(self, histogram: str, keys: Collection[OffloadKey]) -> None:
+        started = self._job_started.pop(frozenset(keys), None)
+        if started is not None:
+            self._metrics.observe(histogram, time.monotonic() - started)
+
+    # ---- metrics and events ----------------------------------------------------------------
+    @override
+    def get_stats(self) -> Any:
+        with self._lock:
+            return self._metrics.take()
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
 
     # ---- lifecycle -------------------------------------------------------------------------
     @override
@@ -281,6 +392,7 @@ class TierStoreManager(OffloadingManager):
             self._requests.clear()
             self._storing.clear()
             self._known_stored.clear()
+            self._job_started.clear()
 
     def on_reset_flushed(self) -> None:  # vLLM 0.33 hook; nothing is slot-based here
         return

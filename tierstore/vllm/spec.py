@@ -34,6 +34,7 @@ from tierstore.data.layout import ChunkLayout
 from tierstore.keys import Namespace, NodeId, make_namespace
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.manager import TierStoreManager
+from tierstore.vllm.metrics import metric_definitions
 from tierstore.vllm.worker import TierStoreWorker
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class TierStoreSpec(OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return {}
+        return metric_definitions()
 
     def get_manager(self) -> OffloadingManager:
         connect(self.store_config)
@@ -101,8 +102,14 @@ class TierStoreSpec(OffloadingSpec):
         tokens_per_chunk = {
             g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
         }
+        events = getattr(self, "kv_events_config", None)
         return TierStoreManager(
-            self.store_config, self.namespace, EvictorChannel(evictor), tokens_per_chunk
+            self.store_config,
+            self.namespace,
+            EvictorChannel(evictor),
+            tokens_per_chunk,
+            local_node=NodeId(ray.get_runtime_context().get_node_id()),
+            events_enabled=bool(events and events.enable_kv_cache_events),
         )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

@@ -1,0 +1,75 @@
+"""Where chunks come and go, for KV-cache events: a bounded, sequence-numbered log.
+
+The Evictor records every residency change it decides (a shard entering or leaving a
+node's CPU or disk tier); each engine's manager polls the changes of its namespace and
+hands them to vLLM as ``OffloadingEvent``s, so a cache-aware router sees the offloaded
+tiers of the whole cluster. The log is bounded: a reader that fell behind gets a
+``lost`` count and continues from the oldest entry still held.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import islice
+from typing import NamedTuple
+
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+
+# Entries (one per batch of keys) kept for slow readers: ~100 bytes each plus keys.
+DEFAULT_EVENT_LOG_ENTRIES = 100_000
+
+
+class ResidencyEvent(NamedTuple):
+    seq: int
+    namespace: Namespace
+    node: NodeId
+    tier: TierName
+    removed: bool
+    keys: list[ChunkKey]
+
+
+class EventBatch(NamedTuple):
+    next_seq: int  # pass back as ``after`` next time
+    lost: int  # events this reader missed because the log wrapped
+    events: list[ResidencyEvent]
+
+
+class EventLog:
+    """Single-threaded, like the index it mirrors."""
+
+    def __init__(self, max_entries: int = DEFAULT_EVENT_LOG_ENTRIES) -> None:
+        self._entries: deque[ResidencyEvent] = deque(maxlen=max_entries)
+        self._next_seq = 0
+
+    def record(self, node: NodeId, tier: TierName, removed: bool, shard_ids: list[ShardId]) -> None:
+        """One entry per namespace; only rank 0's shard stands for its chunk, so a TP
+        engine's chunk is announced once."""
+        by_namespace: dict[Namespace, list[ChunkKey]] = {}
+        for shard in shard_ids:
+            if shard.rank == 0:
+                by_namespace.setdefault(shard.namespace, []).append(shard.key)
+        for namespace, keys in by_namespace.items():
+            self._entries.append(
+                ResidencyEvent(self._next_seq, namespace, node, tier, removed, keys)
+            )
+            self._next_seq += 1
+
+    def since(self, after: int, namespace: Namespace, limit: int = 10_000) -> EventBatch:
+        """Events of ``namespace`` with ``seq >= after``, oldest first."""
+        if after > self._next_seq:  # this Evictor restarted: its log began again at 0
+            after = 0
+        oldest = self._entries[0].seq if self._entries else self._next_seq
+        lost = max(0, oldest - after)
+        next_seq = max(after, oldest)
+        events = []
+        for entry in islice(self._entries, next_seq - oldest, None):
+            next_seq = entry.seq + 1
+            if entry.namespace == namespace:
+                events.append(entry)
+                if len(events) >= limit:
+                    break
+        return EventBatch(next_seq, lost, events)
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq

