@@ -1,0 +1,204 @@
+"""vLLM's OpenAI-compatible server with tierstore, driven over HTTP as a user would.
+
+One server start (about a minute): a completion, a reset of the server's prefix cache and
+of its connector (dev endpoint), then the same completion again, which tierstore serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.cli import collect_status
+from deploy.passes import random_prompt
+from deploy.serve import serve_command, shell_line
+from tests.e2e.conftest import (
+    FP32_LOGPROB_TOL,
+    MIN_CACHED_FRACTION,
+    RAY_NAMESPACE,
+    REPO,
+    tierstore_extra,
+)
+from tierstore.errors import ConfigError
+
+PROMPT = random_prompt(1000, seed=53)  # no other test uses it: the first request is cold
+_READY_TIMEOUT_S = 600  # about a minute alone; several on a loaded CI machine
+_REQUEST_TIMEOUT_S = 300
+_RESET_TIMEOUT_S = 60  # the reset fails while stores still hold device blocks
+_METRICS_TIMEOUT_S = 10  # the engine's stats reach the API process with its outputs
+_STOP_GRACE_S = 30
+_LOG_TAIL_CHARS = 12_000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    data = json.dumps(body or {}).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=_REQUEST_TIMEOUT_S) as response:
+        return json.loads(response.read())
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=_REQUEST_TIMEOUT_S) as response:
+        return response.read().decode()
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=5).close()
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    raise AssertionError(f"server not healthy after {_READY_TIMEOUT_S} s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(_STOP_GRACE_S)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextmanager
+def _serving(argv: list[str], env: dict[str, str], log_path: Path) -> Iterator[str]:
+    """Yields the server's base URL; any failure carries the command and the server's log."""
+    port = argv[argv.index("--port") + 1]
+    base = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        _wait_ready(base, proc)
+        yield base
+    except Exception as exc:
+        tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+        raise AssertionError(
+            f"{exc}\n--- command ---\n{shell_line(argv)}\n--- server log (tail) ---\n{tail}"
+        ) from exc
+    finally:
+        _stop(proc)
+
+
+def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
+    """Greedy, 8 tokens, with the sampled tokens' log-probs; token ids in and out."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,  # no tokenizer: logprobs name tokens by id
+    }
+    response = _post(base + "/v1/completions", body)
+    choice = response["choices"][0]
+    details = response["usage"].get("prompt_tokens_details") or {}
+    return {
+        "tokens": choice["token_ids"],
+        "logprobs": choice["logprobs"]["token_logprobs"],
+        "cached_tokens": details.get("cached_tokens"),
+    }
+
+
+def _reset(base: str, external: bool) -> None:
+    """Retried: it fails while blocks are held, e.g. by stores still in flight."""
+    url = base + "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+    deadline = time.monotonic() + _RESET_TIMEOUT_S
+    while not _post(url)["success"]:
+        assert time.monotonic() < deadline, f"{url} kept failing for {_RESET_TIMEOUT_S} s"
+        time.sleep(0.5)
+
+
+def _tierstore_hits(base: str) -> dict[str, float]:
+    """``tierstore:*hit*`` samples of /metrics (counters' ``_created`` lines left out)."""
+    hits = {}
+    for line in _get(base + "/metrics").splitlines():
+        name, _, value = line.rpartition(" ")
+        metric = name.split("{", 1)[0]
+        if metric.startswith("tierstore:") and "hit" in metric and "_created" not in metric:
+            hits[name] = float(value)
+    return hits
+
+
+def test_openai_server_serves_reset_prefix_from_tierstore(
+    ray_cluster: str, tiny_model, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "float32")
+    argv = serve_command(
+        model,
+        tierstore_extra(ray_address=ray_cluster),
+        host="127.0.0.1",
+        port=_free_port(),
+        dtype="float32",
+        block_size=32,
+        max_model_len=4096,
+        enforce_eager=True,
+        skip_tokenizer_init=True,  # the tiny models have no tokenizer; prompts are token ids
+        enable_prompt_tokens_details=True,  # usage.prompt_tokens_details.cached_tokens
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache is a dev endpoint
+    }
+    with _serving(argv, env, tmp_path / "server.log") as base:
+        before = collect_status(RAY_NAMESPACE)["totals"]  # the engine made the actors
+        cold = _complete(base, model, PROMPT)
+        _reset(base, external=False)  # succeeds once the stores have released their blocks
+        _reset(base, external=True)  # the connector forgets its view; the chunks stay
+        warm = _complete(base, model, PROMPT)
+        after = collect_status(RAY_NAMESPACE)["totals"]
+        deadline = time.monotonic() + _METRICS_TIMEOUT_S
+        while not any(_tierstore_hits(base).values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        hits = _tierstore_hits(base)
+
+        assert cold["cached_tokens"] == 0
+        assert warm["cached_tokens"] >= MIN_CACHED_FRACTION * len(PROMPT)
+        assert len(warm["tokens"]) == 8
+        assert warm["tokens"] == cold["tokens"]
+        diff = max(abs(a - b) for a, b in zip(warm["logprobs"], cold["logprobs"], strict=True))
+        assert diff <= FP32_LOGPROB_TOL
+        # The cached tokens were loaded from tierstore's chunks (32 tokens each here).
+        assert after["loaded_chunks"] - before["loaded_chunks"] >= warm["cached_tokens"] // 32
+        assert after["hits"] > before["hits"]
+        # Needs TierStoreSpec.build_metric_definitions (tierstore:lookup_hits and co.).
+        assert any(value > 0 for value in hits.values()), f"no tierstore hits in /metrics: {hits}"
+
+
+def test_serve_command_rejects_a_misspelled_key_before_any_start() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'cpu_bytes_per_node'"):
+        serve_command("model", {"cpu_byte_per_node": "1GiB"}, port=8000)
