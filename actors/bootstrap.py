@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.evictor import Evictor
 from actors.placement import EVICTOR_NAME, alive_node_ids, node_store_name, place_node_store
@@ -88,6 +89,10 @@ def _start_local_head() -> None:
 
 
 def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
+    """Created next to its first caller (`tierstore up` runs on the head node, which
+    lives as long as the cluster); soft, so a restart after that node's loss goes
+    elsewhere."""
+    here = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(Evictor)
         .options(
@@ -98,6 +103,7 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
             num_cpus=0,
             # Killed or crashed, it comes back and rebuilds its index from the NodeStores.
             max_restarts=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
         )
         .remote(cfg)
     )

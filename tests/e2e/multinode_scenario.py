@@ -1,0 +1,99 @@
+"""Two engines on two simulated nodes, then the storing node is lost; writes JSON facts.
+
+Run by ``test_multinode.py`` as ``python -m tests.e2e.multinode_scenario MODEL OUT_JSON``
+in its own process: it is the driver of its own ``ray.cluster_utils.Cluster`` (the test
+session is already a driver of another cluster, and a process joins only one).
+
+1. Engine A (an actor pinned to node A) computes PROMPT and stores it on node A.
+2. Engine A is killed; engine B, on node B, runs PROMPT: its prefix must come from node
+   A's NodeStore, through the object store.
+3. Node A is removed while engine B runs; once the Evictor has forgotten node A, engine B
+   runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor
+from deploy.cli import collect_status
+from deploy.engine_actor import start_engine_on
+from deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
+from tierstore.config import TierStoreConfig
+
+NAMESPACE = "tierstore-multinode"
+PROMPT = random_prompt(1000, seed=11)
+# Ray's own tests shorten failure detection like this (ray-notes.md).
+FAST_HEALTH_CHECKS = {
+    "health_check_period_ms": 100,
+    "health_check_timeout_ms": 100,
+    "health_check_failure_threshold": 3,
+    "health_check_initial_delay_ms": 0,
+}
+_FORGET_TIMEOUT_S = 60.0
+
+
+def _node_store_stats(node_id: str) -> dict[str, Any]:
+    return ray.get(find_node_store(NAMESPACE, node_id).status.remote())
+
+
+def _wait_until_forgotten(node_id: str) -> float:
+    evictor = get_or_create_evictor(TierStoreConfig(cpu_bytes_per_node=1, namespace=NAMESPACE))
+    started = time.monotonic()
+    while time.monotonic() - started < _FORGET_TIMEOUT_S:
+        if node_id not in ray.get(evictor.status.remote())["nodes"]:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise TimeoutError(f"the Evictor still indexes node {node_id} after {_FORGET_TIMEOUT_S} s")
+
+
+def main(model: str, out_path: str) -> None:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "_system_config": FAST_HEALTH_CHECKS},
+    )
+    node_a = cluster.add_node(num_cpus=1)
+    node_b = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    facts: dict[str, Any] = {"node_a": node_a.node_id, "node_b": node_b.node_id}
+    try:
+        cfg = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE)
+        ensure_actors(cfg)
+        extra = {**TIERSTORE_SPEC, "cpu_bytes_per_node": 1 << 30, "namespace": NAMESPACE}
+        spec = EngineSpec(model=model, kv_extra_config=extra)
+
+        engine_a = start_engine_on(node_a.node_id, spec)
+        facts["engine_a_node"] = ray.get(engine_a.node_id.remote())
+        facts["a"] = ray.get(engine_a.run_pass.remote([PROMPT]))["requests"][0]
+        ray.kill(engine_a)  # the chunks belong to node A's NodeStore, not to the engine
+        facts["node_a_before"] = _node_store_stats(node_a.node_id)
+
+        engine_b = start_engine_on(node_b.node_id, spec)
+        facts["engine_b_node"] = ray.get(engine_b.node_id.remote())
+        facts["b_from_a"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
+        facts["node_a_after"] = _node_store_stats(node_a.node_id)
+        facts["node_b_after"] = _node_store_stats(node_b.node_id)
+
+        cluster.remove_node(node_a, allow_graceful=False)
+        facts["forget_s"] = _wait_until_forgotten(node_a.node_id)
+        facts["status_nodes"] = [n["node_id"] for n in collect_status(NAMESPACE)["nodes"]]
+        ray.get(engine_b.reset_prefix_cache.remote())
+        facts["b_after_loss"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
+        ray.get(engine_b.reset_prefix_cache.remote())
+        facts["b_again"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
+        facts["node_b_end"] = _node_store_stats(node_b.node_id)
+    finally:
+        with open(out_path, "w") as out:
+            json.dump(facts, out)
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
