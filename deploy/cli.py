@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: up, down, status, demo."""
+"""The ``tierstore`` command: up, down, status, demo, bench."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from deploy.bench.__main__ import add_arguments as add_bench_arguments
+from deploy.bench.__main__ import run_benchmark
 from tierstore.config import DEFAULT_NAMESPACE, TierStoreConfig, parse_bytes
 from tierstore.errors import TierStoreError
 
@@ -152,6 +154,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if all(r["same_tokens"] for r in rows) else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    return run_benchmark(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="local Ray + tiny Gemma 3 model, served twice")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="run a benchmark (JSON and PNG plots into --out)")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

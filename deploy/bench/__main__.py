@@ -1,4 +1,8 @@
-"""``python -m deploy.bench NAME --out DIR``: run a benchmark, write JSON (and plots)."""
+"""``python -m deploy.bench NAME --out DIR``: run a benchmark, write JSON and PNG plots.
+
+Runs by hand (a private local Ray cluster) or as a Ray job against a running cluster:
+``ray job submit --working-dir . -- python -m deploy.bench e2e --out /abs/results``.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# name -> module under deploy.bench; each has ``run(args) -> dict`` (JSON-able results).
+# name -> module under deploy.bench; each has ``run(args) -> dict`` (JSON-able results)
+# and may have ``plot(results, out_dir) -> list[Path]`` (PNG files it wrote).
 BENCHMARKS: dict[str, str] = {
     "disk": "deploy.bench.disk",
     "dataplane": "deploy.bench.dataplane",
+    "controlplane": "deploy.bench.controlplane",
+    "e2e": "deploy.bench.e2e",
 }
 
 
@@ -26,21 +33,41 @@ def _run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return module.run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.bench")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark options, shared with ``tierstore bench``."""
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
-    parser.add_argument("--out", type=Path, default=Path("results"), help="output folder")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results"),
+        help="output folder (use an absolute path under `ray job submit`: the job's "
+        "working directory is a temporary copy)",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--disk-root", type=Path, default=None, help="where to write (disk)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = _run(args.name, args)
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    written = [path]
+    plot = getattr(importlib.import_module(BENCHMARKS[args.name]), "plot", None)
+    if plot is not None:
+        written += plot(results, args.out)
+    for file in written:
+        print(f"wrote {file.resolve()}", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.bench")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    return run_benchmark(args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
+from deploy.bench import plots
+from deploy.bench.common import ray_session
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace
@@ -107,15 +110,22 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
 def run(quick: bool = False) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20]
     cfg = TierStoreConfig(cpu_bytes_per_node=2 * (64 << 20) * _REPEATS, namespace="tierstore-bench")
-    started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address="local", namespace=cfg.namespace, include_dashboard=False)
-    try:
+    with ray_session(cfg.namespace) as address:
         counter = [0]
-        return {"sizes": [bench_size(cfg, size, counter) for size in sizes]}
-    finally:
-        from actors.bootstrap import shutdown_actors
+        return {"ray_cluster": address, "sizes": [bench_size(cfg, size, counter) for size in sizes]}
 
-        shutdown_actors(cfg.namespace)
-        if started_here:
-            ray.shutdown()
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    sizes = results["sizes"]
+    labels = [f"{s['bytes'] >> 20} MiB" for s in sizes]
+    names = ["tierstore_store", "tierstore_load", "ray_put_get", "ray_put", "ray_get", "memcpy"]
+    return [
+        plots.bars(
+            out / "dataplane.png",
+            "Data plane: GB/s per job size (one chunk per job)",
+            "GB/s (log)",
+            labels,
+            {n: [s["GBps"][n] for s in sizes] for n in names},
+            log=True,
+        )
+    ]

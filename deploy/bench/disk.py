@@ -126,3 +126,36 @@ def run(out_dir: Path, root: Path | None = None, quick: bool = False) -> dict[st
         "promotion": [bench_promotion(size, 8 if quick else 32, root) for size in sizes],
     }
     return results
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    from deploy.bench import plots
+
+    rows = results["throughput"]
+    labels = [f"{r['chunk_bytes'] >> 10} KiB{' fsync' if r['fsync'] else ''}" for r in rows]
+    series = {
+        f"{side} {op}": [r[f"{op}_MBps"][side] for r in rows]
+        for op in ("write", "read")
+        for side in ("tierstore", "plain")
+    }
+    promotion = results["promotion"]
+    return [
+        plots.bars(
+            out / "disk_throughput.png",
+            "Disk tier vs plain file I/O (MB/s)",
+            "MB/s (log)",
+            labels,
+            series,
+            log=True,
+        ),
+        plots.lines(
+            out / "disk_promotion.png",
+            "Promotion latency: disk -> verified -> CPU tier",
+            "chunk KiB",
+            "ms",
+            [p["chunk_bytes"] >> 10 for p in promotion],
+            {q: [p[f"{q}_ms"] for p in promotion] for q in ("p50", "p90")},
+            logx=True,
+            logy=True,
+        ),
+    ]

@@ -1,0 +1,43 @@
+"""What the benchmarks share: joining Ray (a job's cluster, else a private one), percentiles."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+
+@contextmanager
+def ray_session(namespace: str) -> Iterator[str]:
+    """Joins the cluster a benchmark runs in; yields its GCS address.
+
+    Under ``ray job submit`` the driver's ``RAY_ADDRESS`` names the job's cluster. Run
+    by hand without it, a fresh private cluster is started (``"local"``), never another
+    cluster that happens to run on this machine. tierstore's actors in ``namespace`` are
+    stopped on the way out, and a cluster started here is shut down.
+    """
+    import ray
+
+    from actors.bootstrap import shutdown_actors
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(
+            address=os.environ.get("RAY_ADDRESS") or "local",
+            namespace=namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        shutdown_actors(namespace)
+        if started_here:
+            ray.shutdown()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of a non-empty sample."""
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]

@@ -1,0 +1,88 @@
+"""One engine's share of the end-to-end benchmark, in a process of its own.
+
+``python -m deploy.bench.e2e_engine PLAN_JSON OUT_JSON``: builds the engine, warms it up,
+then runs each workload of the plan in order, one request at a time. Before each
+workload the device prefix cache is emptied, so workloads do not feed each other. With
+tierstore on, the cluster's counters (``tierstore status``) are read before and after
+each workload; their difference says how many chunks came from the CPU and disk tiers.
+Each engine gets its own process: vLLM engines do not shut down cleanly enough to share one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from deploy.bench.workloads import build
+from deploy.passes import EngineSpec, build_llm, random_prompt, run_request, sampling_params, settle
+
+_STORES_SETTLE_S = 2.0  # stores of a workload's last requests land on the next steps
+
+
+def _tierstore_totals(namespace: str | None) -> dict[str, int]:
+    if namespace is None:
+        return {}
+    from deploy.cli import collect_status
+
+    return collect_status(namespace)["totals"]
+
+
+def run_workload(
+    llm: Any, kind: str, params: dict[str, int], max_tokens: int, namespace: str | None
+) -> dict[str, Any]:
+    settle()
+    llm.reset_prefix_cache()
+    before = _tierstore_totals(namespace)
+    sampling = sampling_params(max_tokens)
+    requests: list[dict[str, Any]] = []
+
+    def generate(prompt: list[int]) -> list[int]:
+        result = run_request(llm, prompt, sampling)
+        requests.append(
+            {
+                "prompt_tokens": len(prompt),
+                "cached_tokens": result.num_cached_tokens,
+                "output_tokens": len(result.tokens),
+                "ttft_s": result.ttft_s,
+            }
+        )
+        return result.tokens
+
+    started = time.perf_counter()
+    build(kind, params).run(generate)
+    wall_s = time.perf_counter() - started
+    settle(_STORES_SETTLE_S)
+    after = _tierstore_totals(namespace)
+    return {
+        "kind": kind,
+        "params": params,
+        "wall_s": wall_s,
+        "requests": requests,
+        "tierstore": {k: after[k] - before.get(k, 0) for k in after},
+    }
+
+
+def main() -> None:
+    plan = json.loads(Path(sys.argv[1]).read_text())
+    llm = build_llm(EngineSpec(**plan["engine"]))
+    namespace = plan.get("tierstore_namespace")
+    if namespace is not None:
+        import ray
+
+        # Only to read the counters; the engine's own processes joined on their own.
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, log_to_driver=False)
+    # Warm-up on an unrelated prompt, so the first measured TTFT is not start-up.
+    run_request(llm, random_prompt(64, seed=99), sampling_params(1))
+    results = {
+        name: run_workload(llm, w["kind"], w["params"], plan["max_tokens"], namespace)
+        for name, w in plan["workloads"].items()
+    }
+    Path(sys.argv[2]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

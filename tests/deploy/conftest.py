@@ -1,0 +1,102 @@
+"""A private ``ray start --head`` cluster with a dashboard, for job submission tests.
+
+Every port is picked free (other sessions may run Ray on this machine, on the default
+ports too), and ``--temp-dir`` is private, so ``ray_current_cluster`` is written there
+and no one else's ``address="auto"`` finds this cluster. It is stopped by killing only
+its own processes (those naming its temp dir, and their children): ``ray stop`` would
+stop every Ray cluster on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+_START_TIMEOUT_S = 180
+_STOP_GRACE_S = 10
+
+
+@dataclass(frozen=True)
+class RayHead:
+    gcs_port: int
+    dashboard_url: str
+    temp_dir: Path
+    env: dict[str, str]  # for `ray` commands against it (auth mode, the venv's `python`)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes_of(temp_dir: Path) -> list[psutil.Process]:
+    """The head's daemons (they name the temp dir) and everything they started."""
+    me = psutil.Process()
+    ours = {me.pid, *(p.pid for p in me.parents())}  # a caller may name it too
+    found: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid in ours:
+            continue
+        if any(str(temp_dir) in arg for arg in proc.info["cmdline"] or []):
+            found[proc.pid] = proc
+            try:
+                found.update((c.pid, c) for c in proc.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+    return [p for pid, p in found.items() if pid not in ours]
+
+
+def stop_head(temp_dir: Path) -> list[psutil.Process]:
+    """SIGTERM, then SIGKILL, the head's processes; returns any still alive."""
+    procs = _processes_of(temp_dir)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, procs = psutil.wait_procs(procs, timeout=_STOP_GRACE_S)
+        if not procs:
+            break
+    return procs + _processes_of(temp_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[RayHead]:
+    temp_dir = Path(tempfile.mkdtemp(prefix="tsj-", dir="/tmp"))  # short: socket paths
+    bin_dir = os.path.dirname(sys.executable)
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the job's `python`
+    gcs_port, dashboard_port = _free_port(), _free_port()
+    cmd = [os.path.join(bin_dir, "ray"), "start", "--head", "--disable-usage-stats"]
+    cmd += ["--port", str(gcs_port), "--num-cpus", "2", "--temp-dir", str(temp_dir)]
+    cmd += ["--dashboard-port", str(dashboard_port), "--include-dashboard=true"]
+    cmd += ["--dashboard-agent-listen-port", str(_free_port())]
+    cmd += ["--ray-client-server-port", str(_free_port())]
+    try:
+        started = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=_START_TIMEOUT_S
+        )
+        assert started.returncode == 0, f"ray start failed:\n{started.stdout}\n{started.stderr}"
+        yield RayHead(
+            gcs_port=gcs_port,
+            dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+            temp_dir=temp_dir,
+            env=env,
+        )
+    finally:
+        left = stop_head(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"processes of the test's Ray head survived: {[p.pid for p in left]}"
