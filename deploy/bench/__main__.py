@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deploy.bench.common import machine_info
+
 # name -> module under deploy.bench; each has ``run(args) -> dict`` (JSON-able results)
 # and may have ``plot(results, out_dir) -> list[Path]`` (PNG files it wrote).
 BENCHMARKS: dict[str, str] = {
@@ -49,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_benchmark(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
+    before = machine_info()
     results = _run(args.name, args)
+    results["machine"] = before | {"load_avg_1m_after": machine_info()["load_avg_1m"]}
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

