@@ -54,6 +54,7 @@ def run_engine(
         prompts: list[list[int]],
         n_passes: int,
         ray_address: str | None = None,
+        extra_env: dict[str, str] | None = None,
         **kw: Any,
     ) -> list[dict[str, Any]]:
         out = out_dir / f"run-{next(counter)}.json"
@@ -63,6 +64,7 @@ def run_engine(
             PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         )
+        env.update(extra_env or {})
         args = {"engine": engine, "prompts": prompts, "n_passes": n_passes, **kw}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.e2e.run_engine", json.dumps(args), str(out)],
