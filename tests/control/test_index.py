@@ -241,3 +241,51 @@ def test_offering_the_same_inventory_twice_keeps_everything() -> None:
     assert index.restore(A, held) == ([True] * 6, {})
     assert index.restore(A, held) == ([True] * 6, {})
     assert index.nodes()[A] == {CPU: (300, 1000, 3), DISK: (300, 1000, 3)}
+
+
+# ---- what becomes evictable again: the candidate heaps must notice each change ----------
+
+
+def test_an_engine_that_goes_away_frees_its_leases_at_once() -> None:
+    index = ChunkIndex()
+    index.register_node(A, 100)
+    index.admit(A, [offer(0)], now=0)
+    hit(index, 0, ttl=100, holder="engine/1")
+    assert index.admit(A, [offer(1)], now=1).accepted == [False]
+    index.release_holder("engine/1")
+    assert index.admit(A, [offer(1)], now=1).actions[A].drop == [sid(0)]
+
+
+def test_a_promoted_chunk_is_evictable_once_its_promotion_is_reported() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 100, 1000)
+    index.admit(A, [offer(0)], now=0)
+    index.admit(A, [offer(1)], now=0)  # demotes 0
+    assert hit(index, 0)[0].state is LookupState.PENDING
+    index.release(NS, [key(0)], "h")
+    assert index.admit(A, [offer(2)], now=0).accepted == [False]  # 0 is still being promoted
+    index.promoted(A, [sid(0)], [])
+    assert index.admit(A, [offer(2)], now=0).actions[A].demote == [sid(0)]
+
+
+def test_a_demoted_chunk_disk_copy_makes_room_for_later_write_throughs() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 300, 200)
+    index.admit(A, [offer(0), offer(1)], now=0)
+    # The disk is full of chunks still in memory: 2 is kept in memory only.
+    assert index.admit(A, [offer(2)], now=0).actions == {}
+    result = index.admit(A, [offer(3)], now=0)
+    # 0 leaves memory (its disk copy stays), and that disk-only copy is dropped for 3's.
+    assert result.actions[A] == NodeActions(drop=[sid(0)], demote=[sid(0)], persist=[sid(3)])
+
+
+def test_a_parent_whose_tail_was_dropped_is_the_next_disk_victim() -> None:
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 200, 300)
+    index.admit(A, [offer(0), offer(1, parent=0)], now=0)
+    assert index.admit(A, [offer(2)], now=0).actions[A].demote == [sid(1)]  # tail first
+    result = index.admit(A, [offer(3)], now=0)
+    # 0 goes to disk too; for 3's disk copy the oldest disk-only tail goes: 1, not 0.
+    assert result.actions[A] == NodeActions(drop=[sid(1)], demote=[sid(0)], persist=[sid(3)])
+    # 0 is a disk-only tail now, older than 2: the next disk victim.
+    assert index.admit(A, [offer(4)], now=0).actions[A].drop == [sid(0)]

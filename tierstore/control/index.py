@@ -22,17 +22,21 @@ order drop, demote, promote, persist, so a promotion always finds the room made 
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import count
 from typing import NamedTuple
 
 from tierstore.control.policies import POLICIES
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 
 logger = logging.getLogger(__name__)
+
+_COMPACT_MIN = 1024  # a candidate heap is never compacted below this many entries
 
 
 class ChunkId(NamedTuple):
@@ -86,31 +90,72 @@ class AdmitResult(NamedTuple):
     actions: Actions  # what each node must do to honour the decision
 
 
-@dataclass
+@dataclass(slots=True)
 class _Shard:
     node: NodeId
     nbytes: int
-    tiers: set[TierName]  # where copies are (or are being made): never empty
+    cpu: bool = False  # a copy in the CPU tier (or one being promoted into it)
+    disk: bool = False  # a copy in the disk tier (or one being written to it)
     promoting: bool = False
 
+    def has(self, tier: TierName) -> bool:
+        return self.cpu if tier is TierName.CPU else self.disk
 
-@dataclass
+    def set(self, tier: TierName, present: bool) -> None:
+        if tier is TierName.CPU:
+            self.cpu = present
+        else:
+            self.disk = present
+
+    @property
+    def tiers(self) -> tuple[TierName, ...]:
+        return (TierName.CPU,) * self.cpu + (TierName.DISK,) * self.disk
+
+
+@dataclass(slots=True)
 class _Chunk:
+    key: ChunkKey
     world_size: int
     parent: ChunkKey | None
-    shards: dict[int, _Shard] = field(default_factory=dict)
+    shards: list[_Shard | None]  # by rank
+    present: int = 0
 
     @property
     def complete(self) -> bool:
-        return len(self.shards) == self.world_size
+        return self.present == self.world_size
+
+    def held(self) -> Iterator[tuple[int, _Shard]]:
+        return ((rank, s) for rank, s in enumerate(self.shards) if s is not None)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Unit:
-    keys: set[ChunkKey] = field(default_factory=set)
-    parents: set[UnitId] = field(default_factory=set)
-    children: set[UnitId] = field(default_factory=set)
-    waiting_for: set[UnitId] = field(default_factory=set)  # parents not (yet) resident
+    """One boundary. Tuples and a lazily made set: most units have one chunk, one parent
+    and at most one child, and a million of them must fit in memory."""
+
+    chunks: tuple[_Chunk, ...] = ()
+    parents: tuple[UnitId, ...] = ()
+    children: set[UnitId] | None = None
+    waiting_for: tuple[UnitId, ...] = ()  # parents not (yet) resident
+    cpu_copies: int = 0  # shards with a CPU copy, on any node
+    cpu_children: int = 0  # children with cpu_copies > 0: demotable only at 0
+
+    def shards(self) -> Iterator[tuple[_Chunk, int, _Shard]]:
+        return ((c, rank, s) for c in self.chunks for rank, s in c.held())
+
+
+@dataclass(slots=True)
+class _Queue:
+    """Candidates of one (node, tier, policy segment): a heap of ``(rank, unit)``.
+
+    Entries are checked when popped, never removed eagerly: an entry may be stale (the
+    unit was touched, moved, dropped, or is no longer evictable there). Whenever a unit
+    may have become evictable somewhere, it is pushed again; the heap is compacted once
+    it doubles, so upkeep stays O(log n) amortized per change.
+    """
+
+    heap: list[tuple[int, UnitId]] = field(default_factory=list)
+    compact_at: int = _COMPACT_MIN
 
 
 @dataclass
@@ -146,7 +191,15 @@ _RESTORE_GRACE_HOLDER = "tierstore/restore-grace"
 
 
 class ChunkIndex:
-    """Single-threaded: the Evictor actor serialises every call."""
+    """Single-threaded: the Evictor actor serialises every call.
+
+    Finding what to evict never walks every unit. Each (node, tier, policy segment) has
+    a heap of candidates keyed by the policy's rank (:class:`_Queue`); each unit counts
+    its CPU copies and its children with CPU copies, so whether it may be demoted or
+    dropped is known without looking at its subtree. Leased or promoting units met on
+    the way are parked until their lease ends or their promotion is reported, so a
+    store that finds only protected units left is skipped without rescanning them.
+    """
 
     def __init__(self, policy: str = "lru", watermarks: Watermarks | None = None) -> None:
         self._policy = POLICIES.get(policy)()
@@ -155,7 +208,12 @@ class ChunkIndex:
         self._units: dict[UnitId, _Unit] = {}
         self._orphans: dict[UnitId, set[UnitId]] = defaultdict(set)  # absent parent -> children
         self._nodes: dict[NodeId, dict[TierName, _TierAccount]] = {}
+        self._node_units: dict[NodeId, set[UnitId]] = defaultdict(set)  # units with a shard there
         self._leases: dict[ChunkId, dict[str, float]] = defaultdict(dict)  # holder -> expiry
+        self._queues: dict[tuple[NodeId, TierName, int], _Queue] = {}
+        self._parked: set[UnitId] = set()  # leased or promoting when last met as a candidate
+        self._wakeups: list[tuple[float, int, UnitId]] = []  # (lease end, tie, parked unit)
+        self._tie = count()
         self.stats = IndexStats()
 
     # ---- nodes -------------------------------------------------------------------------
@@ -188,14 +246,15 @@ class ChunkIndex:
             offer, tier = held[i]
             shard_id = ShardId(offer.namespace, offer.key, offer.rank)
             account = self._nodes[node][tier]
-            chunk = self._chunks.get(ChunkId(offer.namespace, offer.key))
-            shard = chunk.shards.get(offer.rank) if chunk is not None else None
+            shard = self._shard(offer.namespace, offer.key, offer.rank)
             fits = account.used_bytes + offer.nbytes <= account.capacity_bytes
-            if shard is not None and shard.node == node and tier in shard.tiers:
+            if not _valid(offer):
+                actions[node].drop.append(shard_id)
+            elif shard is not None and shard.node == node and shard.has(tier):
                 accepted[i] = True  # already indexed: offering it again changes nothing
             elif shard is not None and shard.node == node and fits:
-                shard.tiers.add(tier)
-                self._account(node, tier, offer.nbytes, +1)
+                uid = UnitId(offer.namespace, boundary_of(offer.key))
+                self._gain(uid, self._units[uid], shard, tier)
                 accepted[i] = True
             elif shard is None and fits:
                 self._add_shard(node, offer, tier)
@@ -203,7 +262,7 @@ class ChunkIndex:
                 if grace_s > 0:
                     cid = ChunkId(offer.namespace, offer.key)
                     self._leases[cid][_RESTORE_GRACE_HOLDER] = now + grace_s
-            elif shard is not None and shard.node == node and TierName.DISK in shard.tiers:
+            elif shard is not None and shard.node == node and shard.disk:
                 actions[node].demote.append(shard_id)  # keep the disk copy, free memory
             elif shard is not None and shard.node == node:
                 # A disk copy that no longer fits beside an indexed memory copy: rare
@@ -215,15 +274,13 @@ class ChunkIndex:
 
     def forget_node(self, node: NodeId) -> Actions:
         """A node left: its chunks are incomplete now, so drop them everywhere."""
-        doomed = {
-            UnitId(cid.namespace, boundary_of(cid.key))
-            for cid, chunk in self._chunks.items()
-            if any(s.node == node for s in chunk.shards.values())
-        }
         actions: Actions = defaultdict(NodeActions)
-        for uid in doomed:
-            self._drop_unit(uid, actions)
+        for uid in self._node_units.pop(node, set()):
+            if uid in self._units:
+                self._drop_unit(uid, actions)
         self._nodes.pop(node, None)
+        for queue_key in [k for k in self._queues if k[0] == node]:
+            del self._queues[queue_key]
         actions.pop(node, None)
         return dict(actions)
 
@@ -253,22 +310,26 @@ class ChunkIndex:
         actions: Actions = defaultdict(NodeActions)
         accepted: list[bool] = []
         for offer in offers:
-            chunk = self._chunks.get(ChunkId(offer.namespace, offer.key))
-            if chunk is not None and offer.rank in chunk.shards:
+            if not _valid(offer) or self._shard(offer.namespace, offer.key, offer.rank):
                 accepted.append(False)
                 continue
             if not self._make_cpu_room(node, offer.nbytes, protected, now, actions):
                 self.stats.skipped_stores += 1
                 accepted.append(False)
                 continue
-            shard = self._add_shard(node, offer, TierName.CPU)
+            uid, shard = self._add_shard(node, offer, TierName.CPU)
             accepted.append(True)
             if self._make_disk_room(node, offer.nbytes, protected, now, actions):
-                shard.tiers.add(TierName.DISK)
-                self._account(node, TierName.DISK, offer.nbytes, +1)
+                self._gain(uid, self._units[uid], shard, TierName.DISK)
                 actions[node].persist.append(ShardId(offer.namespace, offer.key, offer.rank))
         self._demote_to_watermark(node, protected, now, actions)
         return AdmitResult(accepted, dict(actions))
+
+    def _shard(self, namespace: Namespace, key: ChunkKey, rank: int) -> _Shard | None:
+        chunk = self._chunks.get(ChunkId(namespace, key))
+        if chunk is None or not 0 <= rank < len(chunk.shards):
+            return None
+        return chunk.shards[rank]
 
     def _account(self, node: NodeId, tier: TierName, nbytes: int, sign: int) -> None:
         account = self._nodes.get(node, {}).get(tier)
@@ -276,64 +337,234 @@ class ChunkIndex:
             account.used_bytes += sign * nbytes
             account.shards += sign
 
-    def _add_shard(self, node: NodeId, offer: ShardOffer, tier: TierName) -> _Shard:
+    def _add_shard(self, node: NodeId, offer: ShardOffer, tier: TierName) -> tuple[UnitId, _Shard]:
         cid = ChunkId(offer.namespace, offer.key)
+        uid = UnitId(offer.namespace, boundary_of(offer.key))
         chunk = self._chunks.get(cid)
         if chunk is None:
             parent = ChunkKey(offer.parent) if offer.parent is not None else None
-            chunk = self._chunks[cid] = _Chunk(offer.world_size, parent)
-            self._link(cid, chunk)
-        shard = chunk.shards[offer.rank] = _Shard(node, offer.nbytes, {tier})
-        self._account(node, tier, offer.nbytes, +1)
+            chunk = _Chunk(offer.key, offer.world_size, parent, [None] * offer.world_size)
+            self._chunks[cid] = chunk
+            self._link(uid, chunk)
+        shard = chunk.shards[offer.rank] = _Shard(node, offer.nbytes)
+        chunk.present += 1
+        self._node_units[node].add(uid)
+        self._gain(uid, self._units[uid], shard, tier)
         if chunk.complete:
             self.stats.stored_chunks += 1
-        return shard
+        return uid, shard
 
-    def _link(self, cid: ChunkId, chunk: _Chunk) -> None:
-        uid = UnitId(cid.namespace, boundary_of(cid.key))
+    def _link(self, uid: UnitId, chunk: _Chunk) -> None:
         unit = self._units.get(uid)
         if unit is None:
             unit = self._units[uid] = _Unit()
             self._policy.insert(uid)
-            for child in self._orphans.pop(uid, set()):  # children that arrived first
-                self._units[child].waiting_for.discard(uid)
-                self._units[child].parents.add(uid)
-                unit.children.add(child)
-        unit.keys.add(cid.key)
-        if chunk.parent is not None:
-            puid = UnitId(cid.namespace, boundary_of(chunk.parent))
-            if puid == uid:
-                return
-            if puid in self._units:
-                unit.parents.add(puid)
-                self._units[puid].children.add(uid)
-            else:
-                self._orphans[puid].add(uid)
-                unit.waiting_for.add(puid)
+            for child in self._orphans.pop(uid, ()):  # children that arrived first
+                orphan = self._units[child]
+                orphan.waiting_for = tuple(p for p in orphan.waiting_for if p != uid)
+                self._add_edge(uid, child)
+        unit.chunks = (*unit.chunks, chunk)
+        if chunk.parent is None:
+            return
+        puid = UnitId(uid.namespace, boundary_of(chunk.parent))
+        if puid == uid or puid in unit.parents or puid in unit.waiting_for:
+            return
+        if puid in self._units:
+            self._add_edge(puid, uid)
+        else:
+            self._orphans[puid].add(uid)
+            unit.waiting_for = (*unit.waiting_for, puid)
+
+    def _add_edge(self, parent: UnitId, child: UnitId) -> None:
+        punit, cunit = self._units[parent], self._units[child]
+        if punit.children is None:
+            punit.children = set()
+        punit.children.add(child)
+        cunit.parents = (*cunit.parents, parent)
+        if cunit.cpu_copies:
+            punit.cpu_children += 1
+
+    def _remove_edge(self, parent: UnitId, child: UnitId) -> None:
+        """``child`` leaves ``parent``: the parent may have become evictable."""
+        punit, cunit = self._units[parent], self._units[child]
+        if punit.children is not None:
+            punit.children.discard(child)
+            if not punit.children:
+                punit.children = None
+                self._queue_tier(parent, punit, TierName.DISK)
+        cunit.parents = tuple(p for p in cunit.parents if p != parent)
+        if cunit.cpu_copies:
+            punit.cpu_children -= 1
+            if not punit.cpu_children:
+                self._queue_tier(parent, punit, TierName.CPU)
+
+    # ---- copies and candidate queues -------------------------------------------------
+    def _gain(self, uid: UnitId, unit: _Unit, shard: _Shard, tier: TierName) -> None:
+        """``shard`` gets a copy in ``tier``: accounted, and a candidate there."""
+        if shard.has(tier):
+            return
+        shard.set(tier, True)
+        self._account(shard.node, tier, shard.nbytes, +1)
+        if tier is TierName.CPU:
+            unit.cpu_copies += 1
+            if unit.cpu_copies == 1:
+                for parent in unit.parents:
+                    self._units[parent].cpu_children += 1
+        self._push(uid, shard.node, tier)
+
+    def _lose(self, uid: UnitId, unit: _Unit, shard: _Shard, tier: TierName) -> None:
+        """``shard`` loses its copy in ``tier``: its parents may become demotable."""
+        if not shard.has(tier):
+            return
+        shard.set(tier, False)
+        self._account(shard.node, tier, shard.nbytes, -1)
+        if tier is TierName.CPU:
+            unit.cpu_copies -= 1
+            if not unit.cpu_copies:
+                for parent in unit.parents:
+                    punit = self._units[parent]
+                    punit.cpu_children -= 1
+                    if not punit.cpu_children:
+                        self._queue_tier(parent, punit, TierName.CPU)
+                self._queue_tier(uid, unit, TierName.DISK)
+
+    def _push(self, uid: UnitId, node: NodeId, tier: TierName) -> None:
+        position = self._policy.position(uid)
+        if position is None:
+            return
+        segment, rank = position
+        queue = self._queues.get((node, tier, segment))
+        if queue is None:
+            queue = self._queues[(node, tier, segment)] = _Queue()
+        heapq.heappush(queue.heap, (rank, uid))
+        if len(queue.heap) > queue.compact_at:
+            self._compact(node, tier, segment, queue)
+
+    def _queue_tier(self, uid: UnitId, unit: _Unit, tier: TierName) -> None:
+        for node in {s.node for _, _, s in unit.shards() if s.has(tier)}:
+            self._push(uid, node, tier)
+
+    def _queue_everywhere(self, uid: UnitId) -> None:
+        unit = self._units.get(uid)
+        if unit is not None:
+            for tier in TierName:
+                self._queue_tier(uid, unit, tier)
+
+    def _compact(self, node: NodeId, tier: TierName, segment: int, queue: _Queue) -> None:
+        """Keep one current entry per unit still evictable here; parked units come back
+        when unparked."""
+        ranks: dict[UnitId, int] = {}
+        for _, uid in queue.heap:
+            unit = self._units.get(uid)
+            position = self._policy.position(uid)
+            if unit is None or position is None or position[0] != segment:
+                continue
+            if uid not in self._parked and self._evictable_from(uid, unit, node, tier):
+                ranks[uid] = position[1]
+        queue.heap = [(rank, uid) for uid, rank in ranks.items()]
+        heapq.heapify(queue.heap)
+        queue.compact_at = max(_COMPACT_MIN, 2 * len(queue.heap))
+
+    def _evictable_from(self, uid: UnitId, unit: _Unit, node: NodeId, tier: TierName) -> bool:
+        """The tree rules: CPU copies go (demoted, or dropped with the unit) only when no
+        child has a CPU copy; disk copies only from disk-only tails."""
+        if tier is TierName.CPU:
+            if unit.cpu_children:
+                return False
+        elif unit.children or unit.cpu_copies:
+            return False
+        return any(s.node == node and s.has(tier) for _, _, s in unit.shards())
+
+    def _pinned(self, uid: UnitId, unit: _Unit, now: float) -> bool:
+        return any(
+            self._is_leased(ChunkId(uid.namespace, c.key), now) or s.promoting
+            for c in unit.chunks
+            for _, s in c.held()
+        )
+
+    def _park(self, uid: UnitId, unit: _Unit) -> None:
+        """Out of every queue until its leases end (or are released) or it is promoted."""
+        self._parked.add(uid)
+        ends = [
+            max(holders.values())
+            for c in unit.chunks
+            if (holders := self._leases.get(ChunkId(uid.namespace, c.key)))
+        ]
+        if ends:
+            heapq.heappush(self._wakeups, (max(ends), next(self._tie), uid))
+
+    def _unpark(self, uid: UnitId) -> None:
+        if uid in self._parked:
+            self._parked.discard(uid)
+            self._queue_everywhere(uid)
+
+    def _wake(self, now: float) -> None:
+        while self._wakeups and self._wakeups[0][0] <= now:
+            self._unpark(heapq.heappop(self._wakeups)[2])
 
     # ---- making room -------------------------------------------------------------------
-    def _blocked(self, uid: UnitId, protected: set[UnitId], now: float) -> bool:
-        if uid in protected:
+    def _next_candidate(
+        self,
+        node: NodeId,
+        tier: TierName,
+        protected: set[UnitId],
+        now: float,
+        aside: dict[UnitId, None],
+    ) -> UnitId | None:
+        """The first unit in policy order whose ``tier`` copies on ``node`` may go now.
+
+        Pops it; protected units go ``aside`` (queued again after this walk), leased and
+        promoting ones are parked.
+        """
+        for segment in self._policy.segment_order():
+            queue = self._queues.get((node, tier, segment))
+            while queue is not None and queue.heap:
+                rank, uid = heapq.heappop(queue.heap)
+                unit = self._units.get(uid)
+                if unit is None or uid in aside:
+                    continue
+                position = self._policy.position(uid)
+                if position != (segment, rank):
+                    if position is not None and position[0] == segment:
+                        heapq.heappush(queue.heap, (position[1], uid))  # touched since
+                    continue
+                if not self._evictable_from(uid, unit, node, tier):
+                    continue  # queued again by whatever makes it evictable
+                if uid in protected:
+                    aside[uid] = None
+                elif self._pinned(uid, unit, now):
+                    self._park(uid, unit)
+                else:
+                    return uid
+        return None
+
+    def _walk(
+        self,
+        node: NodeId,
+        tier: TierName,
+        protected: set[UnitId],
+        now: float,
+        done: Callable[[], bool],
+        free_one: Callable[[UnitId], bool],
+    ) -> bool:
+        """Let ``free_one`` free candidates in policy order until ``done``; a unit it
+        cannot free is passed over for the rest of this walk."""
+        if done():
             return True
-        for key in self._units[uid].keys:
-            cid = ChunkId(uid.namespace, key)
-            if self._is_leased(cid, now) or any(
-                s.promoting for s in self._chunks[cid].shards.values()
-            ):
-                return True
-        return False
-
-    def _unit_shards(self, uid: UnitId) -> list[tuple[ShardId, _Shard]]:
-        return [
-            (ShardId(uid.namespace, key, rank), shard)
-            for key in self._units[uid].keys
-            for rank, shard in self._chunks[ChunkId(uid.namespace, key)].shards.items()
-        ]
-
-    def _has_tier(self, uid: UnitId, tier: TierName, node: NodeId | None = None) -> bool:
-        return any(
-            tier in s.tiers and (node is None or s.node == node) for _, s in self._unit_shards(uid)
-        )
+        self._wake(now)
+        aside: dict[UnitId, None] = {}
+        try:
+            while not done():
+                uid = self._next_candidate(node, tier, protected, now, aside)
+                if uid is None:
+                    return False
+                if not free_one(uid):
+                    aside[uid] = None
+            return True
+        finally:
+            for uid in aside:
+                if uid in self._units:
+                    self._push(uid, node, tier)
 
     def _make_room(
         self,
@@ -342,56 +573,44 @@ class ChunkIndex:
         nbytes: int,
         protected: set[UnitId],
         now: float,
-        free_one: Callable[[UnitId], None],
+        free_one: Callable[[UnitId], bool],
     ) -> bool:
-        """Walk the policy's candidates, letting ``free_one`` free each, until ``nbytes`` fit."""
         account = self._nodes[node][tier]
         if nbytes > account.capacity_bytes:
             return False
-        for uid in self._policy.candidates():
-            if account.used_bytes + nbytes <= account.capacity_bytes:
-                return True
-            if uid in self._units and not self._blocked(uid, protected, now):
-                free_one(uid)
-        return account.used_bytes + nbytes <= account.capacity_bytes
+
+        def fits() -> bool:
+            return account.used_bytes + nbytes <= account.capacity_bytes
+
+        return self._walk(node, tier, protected, now, fits, free_one)
 
     def _make_cpu_room(
         self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
-        def free_one(uid: UnitId) -> None:
-            if not self._has_tier(uid, TierName.CPU, node):
-                return
-            if self._cpu_leaf(uid) and self._demote(uid, node, protected, now, actions):
-                return
-            if not self._units[uid].children:  # a tail: safe to drop everywhere
-                self._drop_unit(uid, actions)
-                self.stats.evicted_chunks += 1
+        def free_one(uid: UnitId) -> bool:
+            if self._demote(uid, node, protected, now, actions):
+                return True
+            if self._units[uid].children:
+                return False
+            self._drop_unit(uid, actions)  # a tail: safe to drop everywhere
+            self.stats.evicted_chunks += 1
+            return True
 
         return self._make_room(node, TierName.CPU, nbytes, protected, now, free_one)
-
-    def _cpu_leaf(self, uid: UnitId) -> bool:
-        """No child unit still has a CPU copy: demoting this one keeps heads above tails."""
-        return not any(self._has_tier(c, TierName.CPU) for c in self._units[uid].children)
 
     def _demote(
         self, uid: UnitId, node: NodeId, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
         """Free ``uid``'s CPU copies on ``node``, writing those not on disk yet."""
-        moving = [
-            (sid, s)
-            for sid, s in self._unit_shards(uid)
-            if s.node == node and TierName.CPU in s.tiers
-        ]
-        to_write = sum(s.nbytes for _, s in moving if TierName.DISK not in s.tiers)
+        unit = self._units[uid]
+        moving = [(c, rank, s) for c, rank, s in unit.shards() if s.node == node and s.cpu]
+        to_write = sum(s.nbytes for _, _, s in moving if not s.disk)
         if to_write and not self._make_disk_room(node, to_write, protected | {uid}, now, actions):
             return False
-        for shard_id, shard in moving:
-            if TierName.DISK not in shard.tiers:
-                shard.tiers.add(TierName.DISK)
-                self._account(node, TierName.DISK, shard.nbytes, +1)
-            shard.tiers.discard(TierName.CPU)
-            self._account(node, TierName.CPU, shard.nbytes, -1)
-            actions[node].demote.append(shard_id)
+        for chunk, rank, shard in moving:
+            self._gain(uid, unit, shard, TierName.DISK)
+            self._lose(uid, unit, shard, TierName.CPU)
+            actions[node].demote.append(ShardId(uid.namespace, chunk.key, rank))
             self.stats.demoted_shards += 1
         return True
 
@@ -400,12 +619,10 @@ class ChunkIndex:
     ) -> bool:
         """Drop disk-only tails; a unit with a copy in memory is never dropped for disk room."""
 
-        def free_one(uid: UnitId) -> None:
-            if self._units[uid].children or self._has_tier(uid, TierName.CPU):
-                return
-            if self._has_tier(uid, TierName.DISK, node):
-                self._drop_unit(uid, actions)
-                self.stats.evicted_chunks += 1
+        def free_one(uid: UnitId) -> bool:
+            self._drop_unit(uid, actions)
+            self.stats.evicted_chunks += 1
+            return True
 
         return self._make_room(node, TierName.DISK, nbytes, protected, now, free_one)
 
@@ -419,35 +636,42 @@ class ChunkIndex:
         if cpu.used_bytes <= self._watermarks.high * cpu.capacity_bytes:
             return
         target = self._watermarks.low * cpu.capacity_bytes
-        for uid in self._policy.candidates():
-            if cpu.used_bytes <= target:
-                return
-            if uid not in self._units or not self._has_tier(uid, TierName.CPU, node):
-                continue
-            if not self._blocked(uid, protected, now) and self._cpu_leaf(uid):
-                self._demote(uid, node, protected, now, actions)
+        self._walk(
+            node,
+            TierName.CPU,
+            protected,
+            now,
+            lambda: cpu.used_bytes <= target,
+            lambda uid: self._demote(uid, node, protected, now, actions),
+        )
 
     def _drop_unit(self, uid: UnitId, actions: Actions) -> None:
-        unit = self._units.pop(uid)
-        self._policy.remove(uid)
-        for key in unit.keys:
-            cid = ChunkId(uid.namespace, key)
-            chunk = self._chunks.pop(cid)
-            self._leases.pop(cid, None)
-            for rank, shard in chunk.shards.items():
-                for tier in shard.tiers:
-                    self._account(shard.node, tier, shard.nbytes, -1)
-                actions[shard.node].drop.append(ShardId(uid.namespace, key, rank))
+        unit = self._units[uid]
         for parent in unit.parents:
-            self._units[parent].children.discard(uid)
+            self._remove_edge(parent, uid)
         for parent in unit.waiting_for:
             self._orphans[parent].discard(uid)
             if not self._orphans[parent]:
                 del self._orphans[parent]
-        for child in unit.children:  # only when forced (corruption, node loss)
-            self._units[child].parents.discard(uid)
-            self._units[child].waiting_for.add(uid)
+        for child in list(unit.children or ()):  # only when forced (corruption, node loss)
+            self._remove_edge(uid, child)
+            cunit = self._units[child]
+            cunit.waiting_for = (*cunit.waiting_for, uid)
             self._orphans[uid].add(child)  # re-linked if this boundary comes back
+        for chunk in unit.chunks:
+            cid = ChunkId(uid.namespace, chunk.key)
+            del self._chunks[cid]
+            self._leases.pop(cid, None)
+            for rank, shard in chunk.held():
+                for tier in shard.tiers:
+                    self._lose(uid, unit, shard, tier)
+                actions[shard.node].drop.append(ShardId(uid.namespace, chunk.key, rank))
+                node_units = self._node_units.get(shard.node)
+                if node_units is not None:
+                    node_units.discard(uid)
+        del self._units[uid]
+        self._policy.remove(uid)
+        self._parked.discard(uid)
 
     # ---- lookups, promotion and leases -------------------------------------------------
     def lookup(
@@ -472,25 +696,34 @@ class ChunkIndex:
                 self.stats.misses += 1
                 answers.append(LookupAnswer(LookupState.MISS))
                 continue
-            on_disk = [(r, s) for r, s in chunk.shards.items() if TierName.CPU not in s.tiers]
-            if on_disk and not self._promote(cid, on_disk, protected, now, actions):
+            uid = UnitId(namespace, boundary_of(key))
+            on_disk = [(r, s) for r, s in chunk.held() if not s.cpu]
+            if on_disk and not self._promote(uid, chunk, on_disk, protected, now, actions):
                 self.stats.misses += 1
                 answers.append(LookupAnswer(LookupState.MISS))
                 continue
             self._leases[cid][holder] = now + lease_ttl_s
-            self._policy.touch(UnitId(namespace, boundary_of(key)))
-            if any(s.promoting for s in chunk.shards.values()):
+            self._touch(uid)
+            if any(s.promoting for _, s in chunk.held()):
                 answers.append(LookupAnswer(LookupState.PENDING))
                 continue
             self.stats.hits += 1
-            answers.append(
-                LookupAnswer(LookupState.HIT, {r: s.node for r, s in chunk.shards.items()})
-            )
+            answers.append(LookupAnswer(LookupState.HIT, {r: s.node for r, s in chunk.held()}))
         return answers, dict(actions)
+
+    def _touch(self, uid: UnitId) -> None:
+        before = self._policy.position(uid)
+        self._policy.touch(uid)
+        after = self._policy.position(uid)
+        # Within a segment, a stale queue entry is re-ranked when popped; a unit that
+        # changed segment must be queued in its new one now.
+        if before is not None and after is not None and before[0] != after[0]:
+            self._queue_everywhere(uid)
 
     def _promote(
         self,
-        cid: ChunkId,
+        uid: UnitId,
+        chunk: _Chunk,
         on_disk: list[tuple[int, _Shard]],
         protected: set[UnitId],
         now: float,
@@ -499,20 +732,21 @@ class ChunkIndex:
         for _, shard in on_disk:
             if not self._make_cpu_room(shard.node, shard.nbytes, protected, now, actions):
                 return False
+        unit = self._units[uid]
         for rank, shard in on_disk:
-            shard.tiers.add(TierName.CPU)  # the disk copy stays: demoting it again is free
-            self._account(shard.node, TierName.CPU, shard.nbytes, +1)
             shard.promoting = True
-            actions[shard.node].promote.append(ShardId(cid.namespace, cid.key, rank))
+            self._gain(uid, unit, shard, TierName.CPU)  # the disk copy stays: demoting is free
+            actions[shard.node].promote.append(ShardId(uid.namespace, chunk.key, rank))
         return True
 
     def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> Actions:
         """A node reports its promotions; a failed one (corrupt, missing) drops the unit."""
         for shard_id in done:
-            chunk = self._chunks.get(ChunkId(shard_id.namespace, shard_id.key))
-            if chunk is not None and shard_id.rank in chunk.shards:
-                chunk.shards[shard_id.rank].promoting = False
+            shard = self._shard(shard_id.namespace, shard_id.key, shard_id.rank)
+            if shard is not None:
+                shard.promoting = False
                 self.stats.promoted_shards += 1
+                self._unpark(UnitId(shard_id.namespace, boundary_of(shard_id.key)))
         self.stats.corrupt_before_hit += len(failed)
         return self.forget_shards(failed)
 
@@ -546,6 +780,7 @@ class ChunkIndex:
                 holders.pop(holder, None)
                 if not holders:
                     del self._leases[cid]
+                    self._unpark(UnitId(namespace, boundary_of(key)))
 
     def release_holder(self, holder: str) -> None:
         """An engine went away: everything it held is evictable again."""
@@ -553,6 +788,7 @@ class ChunkIndex:
             self._leases[cid].pop(holder, None)
             if not self._leases[cid]:
                 del self._leases[cid]
+                self._unpark(UnitId(cid.namespace, boundary_of(cid.key)))
 
     def _is_leased(self, cid: ChunkId, now: float) -> bool:
         holders = self._leases.get(cid)
@@ -576,19 +812,26 @@ class ChunkIndex:
     def shards_on(self, node: NodeId) -> set[tuple[ShardId, TierName]]:
         """Every copy the index believes ``node`` holds."""
         return {
-            (ShardId(cid.namespace, cid.key, rank), tier)
-            for cid, chunk in self._chunks.items()
-            for rank, shard in chunk.shards.items()
+            (ShardId(uid.namespace, chunk.key, rank), tier)
+            for uid in self._node_units.get(node, ())
+            for chunk, rank, shard in self._units[uid].shards()
             if shard.node == node
             for tier in shard.tiers
         }
 
     def units(self) -> dict[UnitId, tuple[set[UnitId], set[UnitId]]]:
         """unit -> (parents, children), for tests and status."""
-        return {uid: (set(u.parents), set(u.children)) for uid, u in self._units.items()}
+        return {uid: (set(u.parents), set(u.children or ())) for uid, u in self._units.items()}
 
     def __len__(self) -> int:
         return len(self._chunks)
 
     def __contains__(self, cid: object) -> bool:
         return cid in self._chunks
+
+
+def _valid(offer: ShardOffer) -> bool:
+    if 0 <= offer.rank < offer.world_size:
+        return True
+    logger.warning("refusing shard of rank %d in a world of %d", offer.rank, offer.world_size)
+    return False
