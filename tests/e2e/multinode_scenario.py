@@ -9,6 +9,8 @@ session is already a driver of another cluster, and a process joins only one).
    A's NodeStore, through the object store.
 3. Node A is removed while engine B runs; once the Evictor has forgotten node A, engine B
    runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B).
+4. The Evictor is killed (Ray restarts it) and engine B serves PROMPT at once, while the
+   index is rebuilt; once it is, PROMPT hits again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -36,21 +39,28 @@ FAST_HEALTH_CHECKS = {
     "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 0,
 }
-_FORGET_TIMEOUT_S = 60.0
+_WAIT_TIMEOUT_S = 60.0
 
 
 def _node_store_stats(node_id: str) -> dict[str, Any]:
     return ray.get(find_node_store(NAMESPACE, node_id).status.remote())
 
 
-def _wait_until_forgotten(node_id: str) -> float:
-    evictor = get_or_create_evictor(TierStoreConfig(cpu_bytes_per_node=1, namespace=NAMESPACE))
+def _evictor() -> ray.actor.ActorHandle:
+    return get_or_create_evictor(TierStoreConfig(cpu_bytes_per_node=1, namespace=NAMESPACE))
+
+
+def _wait_for(check: Callable[[dict[str, Any]], bool], what: str) -> float:
+    """Seconds until the Evictor's status satisfies ``check``."""
     started = time.monotonic()
-    while time.monotonic() - started < _FORGET_TIMEOUT_S:
-        if node_id not in ray.get(evictor.status.remote())["nodes"]:
-            return time.monotonic() - started
+    while time.monotonic() - started < _WAIT_TIMEOUT_S:
+        try:
+            if check(ray.get(_evictor().status.remote(), timeout=10)):
+                return time.monotonic() - started
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # restarting
         time.sleep(0.2)
-    raise TimeoutError(f"the Evictor still indexes node {node_id} after {_FORGET_TIMEOUT_S} s")
+    raise TimeoutError(f"{what}: not after {_WAIT_TIMEOUT_S} s")
 
 
 def main(model: str, out_path: str) -> None:
@@ -81,13 +91,24 @@ def main(model: str, out_path: str) -> None:
         facts["node_b_after"] = _node_store_stats(node_b.node_id)
 
         cluster.remove_node(node_a, allow_graceful=False)
-        facts["forget_s"] = _wait_until_forgotten(node_a.node_id)
+        facts["forget_s"] = _wait_for(
+            lambda s: node_a.node_id not in s["nodes"], "the Evictor forgets node A"
+        )
         facts["status_nodes"] = [n["node_id"] for n in collect_status(NAMESPACE)["nodes"]]
         ray.get(engine_b.reset_prefix_cache.remote())
         facts["b_after_loss"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
         ray.get(engine_b.reset_prefix_cache.remote())
         facts["b_again"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
         facts["node_b_end"] = _node_store_stats(node_b.node_id)
+
+        ray.kill(_evictor(), no_restart=False)
+        ray.get(engine_b.reset_prefix_cache.remote())
+        facts["b_evictor_down"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
+        held = facts["node_b_end"]["cpu"]["chunks"]
+        facts["rebuild_s"] = _wait_for(lambda s: s["chunks"] >= held, "the index is rebuilt")
+        time.sleep(1.5)  # engine B's manager trusts a MISS for 1 s
+        ray.get(engine_b.reset_prefix_cache.remote())
+        facts["b_rebuilt"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
     finally:
         with open(out_path, "w") as out:
             json.dump(facts, out)

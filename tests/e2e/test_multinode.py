@@ -127,3 +127,14 @@ def test_tp2_ranks_store_and_load_their_own_shards(run_engine, tiny_model, runs)
         ranks[(namespace, key)].add(rank)
     tp2_chunks = [k for k, r in ranks.items() if r == {0, 1}]
     assert len(tp2_chunks) >= loaded["num_cached_tokens"] // _BLOCK
+
+
+def test_an_engine_keeps_serving_while_the_evictor_restarts(multinode: dict[str, Any]) -> None:
+    facts = multinode
+    expected = facts["a"]["tokens"]
+    # Served at once, right after the kill: lookups become misses, never errors.
+    assert facts["b_evictor_down"]["tokens"] == expected
+    # Rebuilt from the NodeStores' inventories, the index serves the prefix again.
+    rebuilt = facts["b_rebuilt"]
+    assert rebuilt["num_cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
+    assert rebuilt["tokens"] == expected
