@@ -1,0 +1,205 @@
+"""Cross-node loads: tierstore's load of a chunk held on node A into a worker on node B,
+set against a raw ``ray.get`` of the same bytes between the same two nodes, in one run.
+
+Each side is an actor pinned to its node, running a real :class:`TierStoreWorker`. Every
+repeat moves fresh bytes: the NodeStore puts a new object per load, and the baseline
+gets a new object per repeat (a second get of one object would be served from node B's
+own copy). Baselines: ``ray_get`` (an object already in node A's store, pulled to B) and
+``ray_put_get`` (A puts, B pulls: what a tierstore load also pays). Run by hand it
+simulates two nodes with ``ray.cluster_utils``; under ``ray job submit`` on a cluster of
+two or more nodes it uses two real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from actors.bootstrap import (
+    ensure_actors,
+    find_node_store,
+    get_or_create_node_store,
+    shutdown_actors,
+)
+from deploy.bench import plots
+from tierstore.config import TierStoreConfig
+from tierstore.data.layout import ChunkLayout
+from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+from tierstore.vllm.worker import TierStoreWorker
+
+NAMESPACE = "tierstore-bench-crossnode"
+NS = Namespace("c055")
+PAGE = 64 * 1024  # bytes of one block's page
+_REPEATS = 5
+_SEED = 1234
+
+
+class Endpoint:
+    """One side: a KV cache of random pages and a tierstore worker on this node."""
+
+    def __init__(self, cfg: TierStoreConfig, size: int) -> None:
+        self._blocks = size // PAGE
+        generator = torch.Generator().manual_seed(_SEED)
+        self._kv = torch.randint(
+            -128, 127, (2 * self._blocks + 1, PAGE), dtype=torch.int8, generator=generator
+        )
+        layout = ChunkLayout([self._kv], [[(0, PAGE)]], blocks_per_chunk=self._blocks)
+        node = ray.get_runtime_context().get_node_id()
+        self._worker = TierStoreWorker(
+            layout,
+            0,
+            1,
+            get_or_create_node_store(cfg, node),
+            lambda n: find_node_store(cfg.namespace, n),
+            120,
+        )
+        self._job = 0
+        self._size = size
+        self._payload = np.random.default_rng(_SEED).integers(0, 255, size, dtype=np.uint8)
+
+    def _spec(self, first_block: int) -> GPULoadStoreSpec:
+        ids = list(range(first_block, first_block + self._blocks))
+        return GPULoadStoreSpec(ids, group_sizes=[self._blocks], block_indices=[0])
+
+    def _run(self, submit: Any) -> None:
+        self._job += 1
+        submit(self._job)
+        while not any(r.job_id == self._job for r in self._worker.get_finished()):
+            time.sleep(0.0005)
+
+    def store(self, key: bytes) -> str:
+        """Stores the source pages as one chunk; returns this node's id."""
+        self._run(lambda j: self._worker.submit_store(j, self._spec(1), StoreSpec(NS, (key,))))
+        return ray.get_runtime_context().get_node_id()
+
+    def load_s(self, key: bytes, where: str) -> float:
+        """Median seconds to load the chunk from ``where`` into the destination pages."""
+        spec = LoadSpec.build(NS, [ChunkKey(key)], [{0: NodeId(where)}])
+        times = []
+        for _ in range(_REPEATS):
+            self._kv[self._blocks + 1 :].zero_()
+            started = time.perf_counter()
+            self._run(lambda j: self._worker.submit_load(j, spec, self._spec(self._blocks + 1)))
+            times.append(time.perf_counter() - started)
+        # The same seed made node A's source pages: the bytes must have arrived intact.
+        assert torch.equal(self._kv[self._blocks + 1 :], self._kv[1 : self._blocks + 1])
+        return statistics.median(times)
+
+    def put(self) -> list[ray.ObjectRef]:
+        """A fresh object of the chunk's size, in this node's object store."""
+        return [ray.put(self._payload)]
+
+    def get_s(self, refs: list[ray.ObjectRef]) -> float:
+        started = time.perf_counter()
+        data = ray.get(refs[0])
+        elapsed = time.perf_counter() - started
+        assert data.nbytes == self._size
+        return elapsed
+
+    def put_get_s(self, producer: ray.actor.ActorHandle) -> float:
+        started = time.perf_counter()
+        data = ray.get(ray.get(producer.put.remote())[0])
+        elapsed = time.perf_counter() - started
+        assert data.nbytes == self._size
+        return elapsed
+
+    def shutdown(self) -> None:
+        self._worker.shutdown()
+
+
+def _endpoint(cfg: TierStoreConfig, node_id: str, size: int) -> ray.actor.ActorHandle:
+    return (
+        ray.remote(Endpoint)
+        .options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(cfg, size)
+    )
+
+
+def bench_size(cfg: TierStoreConfig, node_a: str, node_b: str, size: int) -> dict[str, Any]:
+    a, b = _endpoint(cfg, node_a, size), _endpoint(cfg, node_b, size)
+    key = size.to_bytes(8, "big") + b"\0\0\0\0"
+    assert ray.get(a.store.remote(key)) == node_a
+    load_s = ray.get(b.load_s.remote(key, node_a))
+    get_s = statistics.median(ray.get(b.get_s.remote(a.put.remote())) for _ in range(_REPEATS))
+    put_get_s = statistics.median(ray.get(b.put_get_s.remote(a)) for _ in range(_REPEATS))
+    ray.get([a.shutdown.remote(), b.shutdown.remote()])
+    for handle in (a, b):
+        ray.kill(handle)
+    gbps = lambda seconds: size / seconds / 1e9  # noqa: E731
+    return {
+        "bytes": size,
+        "GBps": {
+            "tierstore_load": gbps(load_s),
+            "ray_get": gbps(get_s),
+            "ray_put_get": gbps(put_get_s),
+        },
+        "load_vs_ray_get": get_s / load_s,
+        "load_vs_ray_put_get": put_get_s / load_s,
+    }
+
+
+@contextmanager
+def _two_nodes() -> Iterator[tuple[str, str, str]]:
+    """(node A, node B, how): two real nodes of the job's cluster, else two simulated."""
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
+        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        if len(nodes) < 2:
+            ray.shutdown()
+            raise SystemExit("crossnode needs a cluster of two or more nodes (it has one)")
+        try:
+            yield nodes[0], nodes[1], "cluster"
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    node_a, node_b = cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        yield node_a.node_id, node_b.node_id, "simulated (ray.cluster_utils, one machine)"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def run(args: Any) -> dict[str, Any]:
+    sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20]
+    cfg = TierStoreConfig(cpu_bytes_per_node=4 * (64 << 20), namespace=NAMESPACE)
+    with _two_nodes() as (node_a, node_b, how):
+        ensure_actors(cfg)
+        try:
+            results = [bench_size(cfg, node_a, node_b, size) for size in sizes]
+        finally:
+            shutdown_actors(NAMESPACE)
+    return {"nodes": how, "repeats": _REPEATS, "sizes": results}
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    sizes = results["sizes"]
+    names = ["tierstore_load", "ray_put_get", "ray_get"]
+    return [
+        plots.bars(
+            out / "crossnode.png",
+            f"Cross-node load, node A -> node B ({results['nodes']})",
+            "GB/s",
+            [f"{s['bytes'] >> 20} MiB" for s in sizes],
+            {n: [s["GBps"][n] for s in sizes] for n in names},
+        )
+    ]
