@@ -125,11 +125,17 @@ def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
         raise ClusterUnavailableError(f"no NodeStore on node {node_id}") from exc
 
 
-def ensure_actors(cfg: TierStoreConfig) -> None:
-    """Evictor plus one NodeStore on every alive node; returns once all answer."""
+def start_actors(cfg: TierStoreConfig) -> list[ray.ObjectRef]:
+    """Start (or find) the Evictor and one NodeStore on every alive node; returns one
+    ``status`` call per actor, ready once that actor is up (a caller may show progress)."""
     evictor = get_or_create_evictor(cfg)
     handles = [get_or_create_node_store(cfg, node_id) for node_id in alive_node_ids()]
-    ray.get([evictor.status.remote(), *[h.status.remote() for h in handles]])
+    return [evictor.status.remote(), *[h.status.remote() for h in handles]]
+
+
+def ensure_actors(cfg: TierStoreConfig) -> None:
+    """Evictor plus one NodeStore on every alive node; returns once all answer."""
+    ray.get(start_actors(cfg))
 
 
 def shutdown_actors(namespace: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -11,8 +12,8 @@ from typing import Any
 
 from deploy.bench.__main__ import add_arguments as add_bench_arguments
 from deploy.bench.__main__ import run_benchmark
-from tierstore.config import DEFAULT_NAMESPACE, TierStoreConfig, parse_bytes
-from tierstore.errors import TierStoreError
+from tierstore.config import DEFAULT_NAMESPACE, TierStoreConfig
+from tierstore.errors import ConfigError, TierStoreError
 
 logger = logging.getLogger("tierstore.cli")
 
@@ -77,7 +78,7 @@ def collect_status(namespace: str) -> dict[str, Any]:
     }
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -85,45 +86,104 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _rate(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f} %" if whole else "n/a"
+
+
 def format_status(status: dict[str, Any]) -> str:
-    lines = [f"{'node':<14} {'tier':<5} {'used':>11} {'capacity':>11} {'chunks':>7}"]
+    """Per node and tier: occupancy; per node: what it stored, served and found corrupt."""
+    header = (
+        f"{'node':<13} {'tier':<4} {'used':>10} {'capacity':>10} {'chunks':>7} "
+        f"{'stores':>7} {'loads':>7} {'corrupt':>7}"
+    )
+    lines = [header, "-" * len(header)]
     for node in status["nodes"]:
+        stats = node["stats"]
+        corrupt = sum(v for k, v in stats.items() if k.startswith("corrupt"))
+        per_node = f"{stats['stored_shards']:>7} {stats['loaded_shards']:>7} {corrupt:>7}"
         for tier in ("cpu", "disk"):
             t = node[tier]
             lines.append(
-                f"{node['node_id'][:12]:<14} {tier:<5} {_fmt_bytes(t['used_bytes']):>11} "
-                f"{_fmt_bytes(t['capacity_bytes']):>11} {t['chunks']:>7}"
+                f"{node['node_id'][:12] if tier == 'cpu' else '':<13} {tier:<4} "
+                f"{_fmt_bytes(t['used_bytes']):>10} {_fmt_bytes(t['capacity_bytes']):>10} "
+                f"{t['chunks']:>7} {per_node if tier == 'cpu' else ''}"
             )
     totals = status["totals"]
     lookups = totals["hits"] + totals["misses"]
-    hit_rate = f"{100 * totals['hits'] / lookups:.1f} %" if lookups else "n/a"
     lines.append("")
     lines.append(
-        f"stored chunks {totals['stored_chunks']}, loaded chunks {totals['loaded_chunks']}, "
-        f"hits {totals['hits']}, misses {totals['misses']} (hit rate {hit_rate})"
+        f"hit rate {_rate(totals['hits'], lookups)} ({totals['hits']} hits, "
+        f"{totals['misses']} misses; {totals['promoted_shards']} shards promoted from disk "
+        f"first); stored {totals['stored_chunks']}, loaded {totals['loaded_chunks']}, "
+        f"indexed {totals['indexed_chunks']} chunks"
     )
     lines.append(
-        f"evicted {totals['evicted_chunks']}, demoted {totals['demoted_shards']}, promoted "
-        f"{totals['promoted_shards']}, skipped stores {totals['skipped_stores']}, corrupt "
-        f"{totals['corrupt_before_hit']} before HIT / {totals['corrupt_after_hit']} after"
+        f"evicted {totals['evicted_chunks']}, demoted {totals['demoted_shards']}, skipped "
+        f"stores {totals['skipped_stores']}, corrupt {totals['corrupt_before_hit']} before "
+        f"HIT (became misses) / {totals['corrupt_after_hit']} after HIT"
     )
     return "\n".join(lines)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from actors.bootstrap import ensure_actors
+# `tierstore up` takes one flag per config key; these come from the cluster arguments.
+_CLUSTER_KEYS = ("namespace", "ray_address")
 
-    cfg = TierStoreConfig(
-        cpu_bytes_per_node=parse_bytes("--cpu-bytes-per-node", args.cpu_bytes_per_node),
-        namespace=args.namespace,
-        ray_address=args.address,
-        disk_path=args.disk_path,
-        disk_bytes_per_node=parse_bytes("--disk-bytes-per-node", args.disk_bytes_per_node),
-        disk_fsync=args.disk_fsync,
-        eviction_policy=args.eviction_policy,
-    )
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--key`` per TierStoreConfig field, parsed by the same validation as the
+    engine's ``kv_connector_extra_config``; see the README's reference table."""
+    for field in dataclasses.fields(TierStoreConfig):
+        if field.name in _CLUSTER_KEYS:
+            continue
+        is_bool = field.type in ("bool", bool)
+        parser.add_argument(
+            "--" + field.name.replace("_", "-"),
+            dest=field.name,
+            default=None,
+            required=field.name == "cpu_bytes_per_node",
+            nargs="?" if is_bool else None,
+            const="true" if is_bool else None,
+            help=f"config key {field.name} (default {field.default!r})"
+            if field.default is not dataclasses.MISSING
+            else f"config key {field.name} (required), e.g. 8GiB",
+        )
+
+
+def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
+    given: dict[str, Any] = {"namespace": args.namespace, "ray_address": args.address}
+    for field in dataclasses.fields(TierStoreConfig):
+        value = getattr(args, field.name, None)
+        if field.name in _CLUSTER_KEYS or value is None:
+            continue
+        if field.type in ("float", float):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(
+                    f"--{field.name.replace('_', '-')}: expected a number, got {value!r}"
+                ) from None
+        given[field.name] = value
+    return TierStoreConfig.from_extra_config(given)
+
+
+def _wait_with_progress(refs: list[Any], what: str) -> None:
+    import ray
+    from tqdm import tqdm
+
+    with tqdm(total=len(refs), desc=what, unit="actor", disable=not sys.stderr.isatty()) as bar:
+        pending = refs
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # raise an actor's start-up error here
+            bar.update(len(done))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from actors.bootstrap import start_actors
+
+    cfg = _config_from_flags(args)
     _connect(args.address, cfg.namespace)
-    ensure_actors(cfg)
+    _wait_with_progress(start_actors(cfg), "starting tierstore actors")
     print(format_status(collect_status(cfg.namespace)))
     return 0
 
@@ -170,13 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start or find the actors on a running Ray cluster")
     cluster_args(up)
-    up.add_argument(
-        "--cpu-bytes-per-node", required=True, help="CPU tier bytes per node, e.g. 8GiB"
-    )
-    up.add_argument("--disk-path", default=None, help="disk tier directory on every node")
-    up.add_argument("--disk-bytes-per-node", default="0", help="disk tier bytes per node; 0 = none")
-    up.add_argument("--disk-fsync", action="store_true", help="fsync every chunk file")
-    up.add_argument("--eviction-policy", default="lru", choices=["lru", "arc"])
+    _config_flags(up)
     up.set_defaults(func=cmd_up)
 
     down = sub.add_parser("down", help="stop the actors (the chunks they hold are dropped)")
