@@ -12,6 +12,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingEvent,
     ReqContext,
     ScheduleEndContext,
+    TierFilter,
+    TierMatcher,
 )
 
 from actors.bootstrap import get_or_create_evictor
@@ -202,3 +204,23 @@ def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
     assert remote and all(e.locality is Locality.REMOTE for e in remote)
     manager.shutdown()
     other.shutdown()
+
+
+def test_a_request_loads_only_from_the_tiers_it_allows(cfg: TierStoreConfig) -> None:
+    """vLLM's per-request ``kv_load_tiers`` (medium and locality) filters HITs."""
+    evictor = get_or_create_evictor(cfg)
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(evictor.register_node.remote(node, 1000))
+    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 100)]))
+    local_only = TierFilter((TierMatcher(Medium.CPU, Locality.LOCAL),))
+    remote_only = TierFilter((TierMatcher(locality=Locality.REMOTE),))
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
+    results = {}
+    for name, tier_filter in [("local", local_only), ("remote", remote_only)]:
+        ctx = ReqContext(req_id=name, load_tier_filter=tier_filter)
+        manager.on_new_request(ctx)
+        manager.lookup(_key(1), ctx)
+        manager.on_schedule_end(END)
+        results[name] = _settle(manager, _key(1), ctx)
+    assert results == {"local": LookupResult.HIT, "remote": LookupResult.MISS}
+    manager.shutdown()

@@ -33,6 +33,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    TierFilter,
 )
 
 from tierstore.config import TierStoreConfig
@@ -161,6 +162,10 @@ class TierStoreManager(OffloadingManager):
             answer = state.answers.get(key)
             if answer is not None:
                 if answer.expires_at > time.monotonic():
+                    if answer.state is LookupState.HIT and not self._allowed(
+                        answer, req_context.load_tier_filter
+                    ):
+                        return LookupResult.MISS  # held where this request may not load from
                     return _RESULTS[answer.state]
                 del state.answers[key]
                 state.leased.discard(key)
@@ -170,6 +175,16 @@ class TierStoreManager(OffloadingManager):
                     state.unsent_since = time.monotonic()
                 state.unsent.append(key)
             return LookupResult.RETRY
+
+    def _allowed(self, answer: _Answer, tier_filter: TierFilter) -> bool:
+        """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
+        and one held on another node (any rank) as REMOTE."""
+        if tier_filter is TierFilter.ALL:
+            return True
+        local = all(node == self._local_node for node in (answer.where or {}).values())
+        return tier_filter.allows(
+            _MEDIUMS[answer.tier], Locality.LOCAL if local else Locality.REMOTE
+        )
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
