@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, str] = {
     "dataplane": "deploy.bench.dataplane",
     "controlplane": "deploy.bench.controlplane",
     "e2e": "deploy.bench.e2e",
+    "evictor": "deploy.bench.evictor",
+    "crossnode": "deploy.bench.crossnode",
 }
 
 

@@ -1,0 +1,194 @@
+"""The Evictor's index at scale: operations per second and memory per indexed chunk.
+
+The plain :class:`ChunkIndex` is all of the Evictor's logic; it is measured at each size
+in a fresh process (so the RSS delta is the index's own). The shape is a realistic
+cache: 4 nodes, requests of 16 chained chunks, a CPU tier holding half the chunks and a
+disk tier holding all of them (write-through, default watermarks). Then one row goes
+through the real Evictor actor on a local Ray cluster, in batched calls, so the cost of
+a Ray call per operation shows beside the index's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import random
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from deploy.bench import plots
+from deploy.bench.common import ray_session
+from tierstore.control.index import ChunkIndex, LookupState, ShardOffer
+from tierstore.keys import ChunkKey, Namespace, NodeId
+
+logger = logging.getLogger(__name__)
+
+NS = Namespace("e71c")
+NODES = [NodeId(f"bench-node-{i}") for i in range(4)]
+CHAIN = 16  # chunks per request
+LEASE_S = 30.0
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0")
+
+
+def _request(first: int) -> list[ShardOffer]:
+    """A request's chain of chunks, each 1 byte (capacities count chunks)."""
+    return [
+        ShardOffer(NS, _key(i), 0, 1, 1, _key(i - 1) if i > first else None)
+        for i in range(first, first + CHAIN)
+    ]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else float("inf")
+
+
+def _fill(index: ChunkIndex, first: int, n: int, now: float) -> float:
+    started = time.perf_counter()
+    for r, start in enumerate(range(first, first + n, CHAIN)):
+        index.admit(NODES[r % len(NODES)], _request(start), now)
+    return time.perf_counter() - started
+
+
+def bench_index(n: int, seed: int = 0) -> dict[str, Any]:
+    """Every index operation at ``n`` indexed chunks (run in a fresh process)."""
+    rng = random.Random(seed)
+    gc.collect()
+    rss_before = _rss_bytes()
+    index = ChunkIndex("lru")
+    per_node = n // len(NODES)
+    for node in NODES:
+        index.register_node(node, cpu_bytes=per_node // 2, disk_bytes=per_node)
+    ops: dict[str, float] = {}
+    half = n // 2
+    ops["admit"] = _rate(half, _fill(index, 0, half, now=0.0))  # room in both tiers
+    ops["admit_demote"] = _rate(n - half, _fill(index, half, n - half, now=0.0))  # CPU full
+    memory_per_chunk = (_rss_bytes() - rss_before) / len(index)
+
+    # Lookups of requests still in memory (the latest quarter), each leased and released
+    # as an engine does between its HIT and its load.
+    lookups = min(n // 4, 200_000) // CHAIN
+    starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
+    started = time.perf_counter()
+    hits = 0
+    for start in starts:
+        keys = [_key(i) for i in range(start, start + CHAIN)]
+        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S)
+        hits += sum(a.state is LookupState.HIT for a in answers)
+        index.release(NS, keys, "engine")
+    ops["lookup_lease_release"] = _rate(lookups * CHAIN, time.perf_counter() - started)
+
+    # Under pressure: every chunk stored now demotes one and drops a disk-only tail.
+    extra = min(n // 10, 100_000) // CHAIN * CHAIN
+    evicted_before = index.stats.evicted_chunks
+    ops["admit_evict"] = _rate(extra, _fill(index, n, extra, now=2.0))
+    evicted = index.stats.evicted_chunks - evicted_before
+
+    chunks_before = len(index)
+    started = time.perf_counter()
+    index.forget_node(NODES[0])
+    forget_s = time.perf_counter() - started
+    ops["forget_node"] = _rate(chunks_before - len(index), forget_s)
+    return {
+        "chunks": n,
+        "ops_per_s": ops,
+        "memory_bytes_per_chunk": memory_per_chunk,
+        "lookup_hit_ratio": hits / max(1, lookups * CHAIN),
+        "evicted_under_pressure": evicted,
+        "forget_node_s": forget_s,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def bench_actor(n: int, batch: int) -> dict[str, Any]:
+    """The real Evictor actor on a local Ray cluster: admit and lookup in calls of ``batch``."""
+    import ray
+
+    from actors.bootstrap import get_or_create_evictor
+    from tierstore.config import TierStoreConfig
+
+    cfg = TierStoreConfig(cpu_bytes_per_node=4 * n, namespace="tierstore-bench-evictor")
+    with ray_session(cfg.namespace):
+        evictor = get_or_create_evictor(cfg)
+        node = ray.get_runtime_context().get_node_id()  # a real node: reconcile keeps it
+        ray.get(evictor.register_node.remote(node, 4 * n, 0))
+        # 2n offers: n pipelined, then fresh ones one call at a time for the latency.
+        offers = [o for start in range(0, 2 * n, CHAIN) for o in _request(start)]
+        keys = [o.key for o in offers]
+        results: dict[str, Any] = {"chunks": n, "batch": batch}
+        for name, call in (
+            ("admit", lambda i: evictor.admit.remote(node, offers[i : i + batch])),
+            ("lookup_lease", lambda i: evictor.lookup.remote(NS, keys[i : i + batch], "b", 30.0)),
+        ):
+            started = time.perf_counter()
+            ray.get([call(i) for i in range(0, n, batch)])  # pipelined, as batches arrive
+            pipelined = time.perf_counter() - started
+            calls = min(200, n // batch)
+            started = time.perf_counter()
+            for i in range(n, n + calls * batch, batch):  # one at a time: what a caller waits
+                ray.get(call(i))
+            latency = (time.perf_counter() - started) / calls
+            results[name] = {"ops_per_s": _rate(n, pipelined), "call_ms": 1e3 * latency}
+        return results
+
+
+def _in_fresh_process(fn: Any, *args: Any) -> Any:
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def plot(results: dict[str, Any], out: Path) -> list[Path]:
+    rows = results["index"]
+    sizes = [r["chunks"] for r in rows]
+    series = {op: [r["ops_per_s"][op] for r in rows] for op in rows[0]["ops_per_s"]}
+    for row in results["actor"]:  # flat: the actor row is measured at one size
+        for op in ("admit", "lookup_lease"):
+            series[f"Evictor actor {op}, {row['batch']}/call"] = [row[op]["ops_per_s"]] * len(rows)
+    return [
+        plots.lines(
+            out / "evictor_ops.png",
+            "Evictor index: chunk operations per second",
+            "indexed chunks",
+            "chunk ops / s",
+            sizes,
+            series,
+            logx=True,
+            logy=True,
+        ),
+        plots.lines(
+            out / "evictor_memory.png",
+            "Evictor index: memory per indexed chunk (RSS delta)",
+            "indexed chunks",
+            "bytes / chunk",
+            sizes,
+            {"ChunkIndex": [r["memory_bytes_per_chunk"] for r in rows]},
+            logx=True,
+        ),
+    ]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = [10**3, 10**4] if args.quick else [10**4, 10**5, 10**6]
+    results: dict[str, Any] = {"shape": {"nodes": len(NODES), "chunks_per_request": CHAIN}}
+    results["index"] = []
+    for n in sizes:
+        logger.info("index at %d chunks", n)
+        results["index"].append(_in_fresh_process(bench_index, n))
+    actor_n = 10**3 if args.quick else 10**4
+    results["actor"] = [
+        _in_fresh_process(bench_actor, actor_n, batch) for batch in (1000, 16 if args.quick else 1)
+    ]
+    return results
