@@ -214,6 +214,7 @@ class ChunkIndex:
         self._parked: set[UnitId] = set()  # leased or promoting when last met as a candidate
         self._wakeups: list[tuple[float, int, UnitId]] = []  # (lease end, tie, parked unit)
         self._tie = count()
+        self._dying: set[UnitId] = set()  # units forget_node is dropping right now
         self.stats = IndexStats()
 
     # ---- nodes -------------------------------------------------------------------------
@@ -275,12 +276,17 @@ class ChunkIndex:
     def forget_node(self, node: NodeId) -> Actions:
         """A node left: its chunks are incomplete now, so drop them everywhere."""
         actions: Actions = defaultdict(NodeActions)
-        for uid in self._node_units.pop(node, set()):
-            if uid in self._units:
-                self._drop_unit(uid, actions)
-        self._nodes.pop(node, None)
         for queue_key in [k for k in self._queues if k[0] == node]:
             del self._queues[queue_key]
+        # Units about to go need not be queued as their children leave first.
+        self._dying = self._node_units.pop(node, set())
+        try:
+            for uid in self._dying:
+                if uid in self._units:
+                    self._drop_unit(uid, actions)
+        finally:
+            self._dying = set()
+        self._nodes.pop(node, None)
         actions.pop(node, None)
         return dict(actions)
 
@@ -430,7 +436,7 @@ class ChunkIndex:
 
     def _push(self, uid: UnitId, node: NodeId, tier: TierName) -> None:
         position = self._policy.position(uid)
-        if position is None:
+        if position is None or uid in self._dying:
             return
         segment, rank = position
         queue = self._queues.get((node, tier, segment))
@@ -441,6 +447,8 @@ class ChunkIndex:
             self._compact(node, tier, segment, queue)
 
     def _queue_tier(self, uid: UnitId, unit: _Unit, tier: TierName) -> None:
+        if uid in self._dying:
+            return
         for node in {s.node for _, _, s in unit.shards() if s.has(tier)}:
             self._push(uid, node, tier)
 
@@ -584,9 +592,16 @@ class ChunkIndex:
 
         return self._walk(node, tier, protected, now, fits, free_one)
 
+    def _fits(self, node: NodeId, tier: TierName, nbytes: int) -> bool:
+        account = self._nodes[node][tier]
+        return account.used_bytes + nbytes <= account.capacity_bytes
+
     def _make_cpu_room(
         self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
+        if self._fits(node, TierName.CPU, nbytes):
+            return True
+
         def free_one(uid: UnitId) -> bool:
             if self._demote(uid, node, protected, now, actions):
                 return True
@@ -618,6 +633,8 @@ class ChunkIndex:
         self, node: NodeId, nbytes: int, protected: set[UnitId], now: float, actions: Actions
     ) -> bool:
         """Drop disk-only tails; a unit with a copy in memory is never dropped for disk room."""
+        if self._fits(node, TierName.DISK, nbytes):
+            return True
 
         def free_one(uid: UnitId) -> bool:
             self._drop_unit(uid, actions)
