@@ -32,6 +32,7 @@ class RequestResult:
     logprobs: list[float]
     num_cached_tokens: int
     ttft_s: float
+    latency_s: float = 0.0  # wall time of generate(): submitted to last token
 
 
 @dataclass
@@ -135,7 +136,8 @@ def run_request(llm: Any, prompt: list[int], params: Any) -> RequestResult:
     completion = out.outputs[0]
     pairs = zip(completion.token_ids, completion.logprobs, strict=True)
     logprobs = [entry[token].logprob for token, entry in pairs]
-    return RequestResult(list(completion.token_ids), logprobs, out.num_cached_tokens or 0, ttft)
+    cached = out.num_cached_tokens or 0
+    return RequestResult(list(completion.token_ids), logprobs, cached, ttft, wall)
 
 
 def settle(seconds: float = 1.0) -> None:

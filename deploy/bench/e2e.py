@@ -137,6 +137,7 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
     """One workload of one engine: latency, throughput, and where prompt tokens came from."""
     requests = raw["requests"]
     ttfts = [r["ttft_s"] for r in requests]
+    latencies = [r.get("latency_s", 0.0) for r in requests]
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
     ts = raw["tierstore"]
@@ -157,6 +158,10 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
             "p50": 1e3 * percentile(ttfts, 50),
             "p90": 1e3 * percentile(ttfts, 90),
             "mean": 1e3 * sum(ttfts) / len(ttfts),
+        },
+        "latency_ms": {
+            "p50": 1e3 * percentile(latencies, 50),
+            "p90": 1e3 * percentile(latencies, 90),
         },
         "wall_s": raw["wall_s"],
         "requests_per_s": len(requests) / raw["wall_s"],

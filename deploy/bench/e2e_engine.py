@@ -48,6 +48,7 @@ def run_workload(
                 "cached_tokens": result.num_cached_tokens,
                 "output_tokens": len(result.tokens),
                 "ttft_s": result.ttft_s,
+                "latency_s": result.latency_s,
             }
         )
         return result.tokens
