@@ -157,19 +157,23 @@ class TierStoreManager(OffloadingManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         with self._lock:
-            state = self._state(req_context)
-            self._remember_position(state, key, req_context)
+            # The hot path: vLLM asks again for every waiting key each step.
+            state = self._requests.get(req_context.req_id) or self._state(req_context)
             answer = state.answers.get(key)
             if answer is not None:
                 if answer.expires_at > time.monotonic():
-                    if answer.state is LookupState.HIT and not self._allowed(
-                        answer, req_context.load_tier_filter
+                    tier_filter = req_context.load_tier_filter
+                    if (
+                        tier_filter is not TierFilter.ALL
+                        and answer.state is LookupState.HIT
+                        and not self._allowed(answer, tier_filter)
                     ):
                         return LookupResult.MISS  # held where this request may not load from
                     return _RESULTS[answer.state]
                 del state.answers[key]
                 state.leased.discard(key)
             if key not in state.pending:
+                self._remember_position(state, key, req_context)  # once per ask is enough
                 state.pending.add(key)
                 if not state.unsent:
                     state.unsent_since = time.monotonic()
@@ -179,8 +183,6 @@ class TierStoreManager(OffloadingManager):
     def _allowed(self, answer: _Answer, tier_filter: TierFilter) -> bool:
         """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
         and one held on another node (any rank) as REMOTE."""
-        if tier_filter is TierFilter.ALL:
-            return True
         local = all(node == self._local_node for node in (answer.where or {}).values())
         return tier_filter.allows(
             _MEDIUMS[answer.tier], Locality.LOCAL if local else Locality.REMOTE
