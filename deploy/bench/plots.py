@@ -24,6 +24,14 @@ def _plain_numbers(axis) -> None:  # type: ignore[no-untyped-def]
     axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
+def _save(plt, fig, ax, path: Path, **legend: object) -> Path:  # type: ignore[no-untyped-def]
+    ax.legend(fontsize=8, **legend)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def bars(
     path: Path,
     title: str,
@@ -46,11 +54,7 @@ def bars(
         ax.set_yscale("log")
         _plain_numbers(ax.yaxis)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def lines(
@@ -79,11 +83,7 @@ def lines(
         ax.set_yscale("log")
         _plain_numbers(ax.yaxis)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def stacked(
@@ -103,8 +103,4 @@ def stacked(
     ax.set_xticks(range(len(categories)), list(categories), fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -36,6 +36,16 @@ def _key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
 
 
+def _evictor_holding(cfg: TierStoreConfig, *keys: ChunkKey) -> tuple[ray.actor.ActorHandle, str]:
+    """The real Evictor, this node registered with 1,000 bytes, ``keys`` admitted (100 B)."""
+    evictor = get_or_create_evictor(cfg)
+    node = ray.get_runtime_context().get_node_id()
+    ray.get(evictor.register_node.remote(node, 1000))
+    if keys:
+        ray.get(evictor.admit.remote(node, [ShardOffer(NS, k, 0, 1, 100) for k in keys]))
+    return evictor, node
+
+
 def _settle(manager: TierStoreManager, key: ChunkKey, ctx: ReqContext) -> LookupResult:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -47,10 +57,7 @@ def _settle(manager: TierStoreManager, key: ChunkKey, ctx: ReqContext) -> Lookup
 
 
 def test_lookup_answers_retry_then_hit_and_leases_until_complete_load(cfg: TierStoreConfig) -> None:
-    evictor = get_or_create_evictor(cfg)
-    node = ray.get_runtime_context().get_node_id()
-    ray.get(evictor.register_node.remote(node, 1000))
-    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 100)]))
+    evictor, node = _evictor_holding(cfg, _key(1))
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))
     ctx = ReqContext(req_id="r1")
     manager.on_new_request(ctx)
@@ -130,10 +137,7 @@ def _wait_for(predicate, what: str, timeout_s: float = 10.0):  # type: ignore[no
 
 
 def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreConfig) -> None:
-    evictor = get_or_create_evictor(cfg)
-    node = ray.get_runtime_context().get_node_id()
-    ray.get(evictor.register_node.remote(node, 1000))
-    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 100)]))
+    evictor, node = _evictor_holding(cfg, _key(1))
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))
     ctx = ReqContext(req_id="r4")
     manager.on_new_request(ctx)
@@ -174,9 +178,7 @@ def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreCo
 def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
     cfg: TierStoreConfig,
 ) -> None:
-    evictor = get_or_create_evictor(cfg)
-    node = ray.get_runtime_context().get_node_id()
-    ray.get(evictor.register_node.remote(node, 1000))
+    evictor, node = _evictor_holding(cfg)
     manager = TierStoreManager(
         cfg, NS, EvictorChannel(evictor), local_node=NodeId(node), events_enabled=True
     )
@@ -208,10 +210,7 @@ def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
 
 def test_a_request_loads_only_from_the_tiers_it_allows(cfg: TierStoreConfig) -> None:
     """vLLM's per-request ``kv_load_tiers`` (medium and locality) filters HITs."""
-    evictor = get_or_create_evictor(cfg)
-    node = ray.get_runtime_context().get_node_id()
-    ray.get(evictor.register_node.remote(node, 1000))
-    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 100)]))
+    evictor, node = _evictor_holding(cfg, _key(1))
     local_only = TierFilter((TierMatcher(Medium.CPU, Locality.LOCAL),))
     remote_only = TierFilter((TierMatcher(locality=Locality.REMOTE),))
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
