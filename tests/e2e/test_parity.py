@@ -33,6 +33,9 @@ def test_restore_matches_reference_and_device_cache(runs, name: str, dtype: str)
     tierstore, reference, device = (runs[name][k] for k in ("tierstore", "reference", "device"))
     cold, restored = only(tierstore, 0), only(tierstore, 1)
 
+    # Every family hashes PROMPT to the same block hashes (vLLM hashes tokens only), and
+    # the families before this one stored theirs on the same cluster: keys collide, and
+    # only the namespace (model, dtype, layout, ...) keeps this engine from reading them.
     assert cold["num_cached_tokens"] == 0
     assert restored["num_cached_tokens"] >= MIN_CACHED_FRACTION * len(PROMPT), restored
     # Same connector path, same hit boundary, same bytes: identical output.
