@@ -59,7 +59,10 @@ def run_demo(
     # Warm the engine up on an unrelated prompt, so pass 1's first TTFT is not start-up.
     run_pass(llm, [random_prompt(64, seed=99)], max_tokens=1)
     prompts = conversation_prompts()
-    passes = [run_pass(llm, prompts, max_tokens=8, reset_each=True) for _ in range(2)]
+    passes = [
+        run_pass(llm, prompts, max_tokens=8, reset_each=True, progress=f"pass {n + 1}")
+        for n in range(2)
+    ]
     rows = []
     for i, prompt in enumerate(prompts):
         first, second = passes[0].requests[i], passes[1].requests[i]

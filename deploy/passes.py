@@ -90,16 +90,26 @@ def build_llm(spec: EngineSpec) -> Any:
 
 
 def run_pass(
-    llm: Any, prompts: list[list[int]], max_tokens: int, reset_each: bool = False
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    reset_each: bool = False,
+    progress: str | None = None,
 ) -> PassResult:
     """One request at a time, in order, so each sees what the earlier ones stored.
 
     With ``reset_each`` the device prefix cache is emptied before every request, so every
-    cached token it reports came from the offloading connector.
+    cached token it reports came from the offloading connector. ``progress``: a label
+    for a progress bar on a terminal.
     """
+    import sys
+
+    from tqdm import tqdm
+
     params = sampling_params(max_tokens)
     result = PassResult()
-    for prompt in prompts:
+    shown = progress is not None and sys.stderr.isatty()
+    for prompt in tqdm(prompts, desc=progress, unit="request", disable=not shown):
         if reset_each:
             settle()
             llm.reset_prefix_cache()
