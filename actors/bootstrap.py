@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 _START_LOCK = Path(tempfile.gettempdir()) / "tierstore-ray-start.lock"
 _GRACE_S = 5.0  # given to an actor's __ray_terminate__ before it is killed
+_PROBE_TIMEOUT_S = 5.0  # a GCS that does not accept a TCP connection by then is not there
 
 
 def connect(cfg: TierStoreConfig) -> None:
@@ -54,7 +56,23 @@ def connect(cfg: TierStoreConfig) -> None:
         _init("auto", cfg)
 
 
+def check_reachable(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
+    """Fail fast on an ``ip:port`` with no GCS behind it: ``ray.init`` would retry for
+    minutes before it gives up with a vaguer error."""
+    if address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        raise ClusterUnavailableError(
+            f"no Ray cluster at {address}: start one with `ray start --head` or pass "
+            f"--address / ray_address / RAY_ADDRESS ({exc})"
+        ) from exc
+
+
 def _init(address: str, cfg: TierStoreConfig) -> None:
+    check_reachable(address)
     try:
         ray.init(
             address=address,

@@ -21,7 +21,10 @@ logger = logging.getLogger("tierstore.cli")
 def _connect(address: str | None, namespace: str) -> None:
     import ray
 
+    from actors.bootstrap import check_reachable
+
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(target)
     try:
         ray.init(
             address=target, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING

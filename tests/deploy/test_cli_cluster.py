@@ -1,0 +1,57 @@
+"""The `tierstore` CLI as an operator runs it, against a private `ray start --head`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.deploy.conftest import RayHead
+
+_CLI_TIMEOUT_S = 180
+NAMESPACE = "tierstore-cli-test"
+
+
+def _tierstore(head: RayHead, *args: str) -> subprocess.CompletedProcess[str]:
+    cli = os.path.join(os.path.dirname(sys.executable), "tierstore")
+    return subprocess.run(
+        [cli, *args], env=head.env, capture_output=True, text=True, timeout=_CLI_TIMEOUT_S
+    )
+
+
+def test_up_status_down_on_a_running_cluster(ray_head: RayHead) -> None:
+    address = f"--address=127.0.0.1:{ray_head.gcs_port}"
+    cluster = (address, f"--namespace={NAMESPACE}")
+    up = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=64MiB", "--lease-ttl-s=5")
+    assert up.returncode == 0, up.stderr[-4000:]
+    assert "64.0 MiB" in up.stdout  # the status table it prints: the CPU tier's capacity
+
+    again = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=64MiB")
+    assert again.returncode == 0, again.stderr[-4000:]  # finds the running actors
+
+    status = _tierstore(ray_head, "status", *cluster, "--json")
+    assert status.returncode == 0, status.stderr[-4000:]
+    report = json.loads(status.stdout)
+    (node,) = report["nodes"]
+    assert node["cpu"] == {"used_bytes": 0, "capacity_bytes": 64 << 20, "chunks": 0}
+    assert report["totals"]["indexed_chunks"] == 0
+
+    down = _tierstore(ray_head, "down", *cluster)
+    assert down.returncode == 0, down.stderr[-4000:]
+    assert "stopped 2 tierstore actor(s)" in down.stdout  # the Evictor and one NodeStore
+    gone = _tierstore(ray_head, "status", *cluster)
+    assert gone.returncode == 2
+    assert "run `tierstore up` first" in gone.stderr
+
+
+def test_errors_say_what_to_do_next(ray_head: RayHead) -> None:
+    nowhere = _tierstore(ray_head, "status", "--address=127.0.0.1:1")
+    assert nowhere.returncode != 0
+    assert "no Ray cluster at 127.0.0.1:1" in nowhere.stderr
+    assert "ray start --head" in nowhere.stderr
+    typo = _tierstore(
+        ray_head, "up", f"--address=127.0.0.1:{ray_head.gcs_port}", "--cpu-bytes-per-node=8XB"
+    )
+    assert typo.returncode == 2
+    assert "cpu_bytes_per_node: expected a byte size" in typo.stderr
