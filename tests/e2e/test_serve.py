@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +41,7 @@ _RESET_TIMEOUT_S = 60  # the reset fails while stores still hold device blocks
 _METRICS_TIMEOUT_S = 10  # the engine's stats reach the API process with its outputs
 _STOP_GRACE_S = 30
 _LOG_TAIL_CHARS = 12_000
+_EVENTS_TOPIC = "kv"
 
 
 def _free_port() -> int:
@@ -152,10 +154,53 @@ def _tierstore_hits(base: str) -> dict[str, float]:
     return hits
 
 
+class _KVEvents:
+    """Subscribes to the server's KV-event publisher (ZMQ) and keeps every event."""
+
+    def __init__(self, port: int) -> None:
+        import zmq
+
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._socket.setsockopt(zmq.SUBSCRIBE, _EVENTS_TOPIC.encode())
+        self._socket.setsockopt(zmq.RCVTIMEO, 200)
+        self.events: list[Any] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            try:
+                _topic, _seq, payload = self._socket.recv_multipart()
+            except zmq.Again:
+                continue
+            self.events.extend(decoder.decode(payload).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+
+    def offloaded(self) -> list[Any]:
+        """Stores announced for tierstore's tiers (the device's own say medium GPU)."""
+        return [
+            e
+            for e in self.events
+            if type(e).__name__ == "BlockStored" and e.medium in ("CPU", "STORAGE")
+        ]
+
+
 def test_openai_server_serves_reset_prefix_from_tierstore(
     ray_cluster: str, tiny_model, tmp_path: Path
 ) -> None:
     model = tiny_model("llama", "float32")
+    events_port = _free_port()
     argv = serve_command(
         model,
         tierstore_extra(ray_address=ray_cluster),
@@ -167,6 +212,14 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         enforce_eager=True,
         skip_tokenizer_init=True,  # the tiny models have no tokenizer; prompts are token ids
         enable_prompt_tokens_details=True,  # usage.prompt_tokens_details.cached_tokens
+        kv_events_config=json.dumps(
+            {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{events_port}",
+                "topic": _EVENTS_TOPIC,
+            }
+        ),
     )
     env = {
         **os.environ,
@@ -175,6 +228,7 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache is a dev endpoint
     }
     with _serving(argv, env, tmp_path / "server.log") as base:
+        kv_events = _KVEvents(events_port)
         before = collect_status(RAY_NAMESPACE)["totals"]  # the engine made the actors
         cold = _complete(base, model, PROMPT)
         _reset(base, external=False)  # succeeds once the stores have released their blocks
@@ -185,6 +239,14 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         while not any(_tierstore_hits(base).values()) and time.monotonic() < deadline:
             time.sleep(0.5)
         hits = _tierstore_hits(base)
+        # tierstore's residency changes reach the engine's KV-event stream once its manager
+        # has polled the Evictor (at most once a second, on a scheduler step).
+        deadline = time.monotonic() + _METRICS_TIMEOUT_S
+        while not kv_events.offloaded() and time.monotonic() < deadline:
+            _complete(base, model, PROMPT[:64])  # a step, so the manager polls and drains
+            time.sleep(1.0)
+        kv_events.close()
+        offloaded = kv_events.offloaded()
 
         assert cold["cached_tokens"] == 0
         assert warm["cached_tokens"] >= MIN_CACHED_FRACTION * len(PROMPT)
@@ -197,6 +259,10 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         assert after["hits"] > before["hits"]
         # Needs TierStoreSpec.build_metric_definitions (tierstore:lookup_hits and co.).
         assert any(value > 0 for value in hits.values()), f"no tierstore hits in /metrics: {hits}"
+        # KV events: the prompt's chunks, announced with tierstore's medium and locality.
+        announced = {h for e in offloaded for h in e.block_hashes}
+        assert len(announced) >= warm["cached_tokens"] // 32, (len(announced), offloaded[:3])
+        assert all(e.medium == "CPU" and e.locality == "LOCAL" for e in offloaded)
 
 
 def test_serve_command_rejects_a_misspelled_key_before_any_start() -> None:
