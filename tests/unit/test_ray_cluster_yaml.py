@@ -11,7 +11,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from deploy.cli import build_parser
+from deploy.cli import _config_from_flags, build_parser
 
 CONFIG = Path(__file__).resolve().parents[2] / "ray_cluster.yaml"
 
@@ -53,7 +53,9 @@ def test_cli_commands_in_the_file_parse() -> None:
         words = shlex.split(command)
         args = build_parser().parse_args(words[words.index("up") :])
         assert args.command == "up"
-        assert args.cpu_bytes_per_node and args.disk_path
+        # The values pass the same validation as an engine's config, not only the parser.
+        cfg = _config_from_flags(args)
+        assert cfg.cpu_bytes_per_node > 0 and cfg.disk_path and cfg.disk_bytes_per_node > 0
 
 
 def test_setup_installs_tierstore_with_the_repo_script() -> None:
