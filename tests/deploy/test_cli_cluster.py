@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from tests.deploy.conftest import RayHead
 
 _CLI_TIMEOUT_S = 180
+_JOIN_TIMEOUT_S = 60  # the Evictor reconciles every 2 s; a raylet takes a few to register
 NAMESPACE = "tierstore-cli-test"
 
 
@@ -55,3 +57,27 @@ def test_errors_say_what_to_do_next(ray_head: RayHead) -> None:
     )
     assert typo.returncode == 2
     assert "cpu_bytes_per_node: expected a byte size" in typo.stderr
+
+
+def test_a_raylet_started_by_hand_gets_its_node_store(ray_head: RayHead) -> None:
+    """`ray start --address=...` after `tierstore up`, and nothing else run."""
+    cluster = (f"--address=127.0.0.1:{ray_head.gcs_port}", f"--namespace={NAMESPACE}-join")
+    up = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=16MiB")
+    assert up.returncode == 0, up.stderr[-4000:]
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    joined = subprocess.run(
+        [ray_cli, "start", f"--address=127.0.0.1:{ray_head.gcs_port}", "--num-cpus=1"],
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+        timeout=_CLI_TIMEOUT_S,
+    )
+    assert joined.returncode == 0, joined.stderr[-4000:]  # its processes use the head's
+    deadline = time.monotonic() + _JOIN_TIMEOUT_S  # temp dir: the fixture stops them too
+    nodes: list[dict[str, object]] = []
+    while len(nodes) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+        nodes = json.loads(_tierstore(ray_head, "status", *cluster, "--json").stdout)["nodes"]
+    assert len(nodes) == 2, nodes
+    assert all(n["cpu"]["capacity_bytes"] == 16 << 20 for n in nodes)
+    assert _tierstore(ray_head, "down", *cluster).returncode == 0
