@@ -97,11 +97,7 @@ class Evictor:
     def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
         shard_offers = [ShardOffer(*o) for o in offers]
         result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
-        admitted = [
-            ShardId(o.namespace, o.key, o.rank)
-            for o, ok in zip(shard_offers, result.accepted, strict=True)
-            if ok
-        ]
+        admitted = [_shard_of(o) for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
         self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
         return result.accepted, self._send(result.actions, keep=NodeId(node_id))
 
@@ -115,17 +111,11 @@ class Evictor:
             now=time.monotonic(),
             grace_s=self._cfg.lease_ttl_s if grace else 0.0,
         )
-        for tier in TierName:
-            self._events.record(
-                NodeId(node_id),
-                tier,
-                False,
-                [
-                    ShardId(o.namespace, o.key, o.rank)
-                    for (o, t), ok in zip(shards, accepted, strict=True)
-                    if ok and t == tier
-                ],
-            )
+        self._events.record_held(
+            NodeId(node_id),
+            False,
+            [(_shard_of(o), t) for (o, t), ok in zip(shards, accepted, strict=True) if ok],
+        )
         return accepted, self._send(actions, keep=NodeId(node_id))
 
     def lookup(
@@ -163,11 +153,7 @@ class Evictor:
         self._index.release_holder(holder)
 
     def forget_node(self, node_id: str) -> None:
-        held = self._index.shards_on(NodeId(node_id))
-        for tier in TierName:
-            self._events.record(
-                NodeId(node_id), tier, True, [shard for shard, t in held if t == tier]
-            )
+        self._events.record_held(NodeId(node_id), True, self._index.shards_on(NodeId(node_id)))
         self._send(self._index.forget_node(NodeId(node_id)))
 
     def events_since(self, after: int, namespace: Namespace) -> EventBatch:
@@ -218,6 +204,10 @@ class Evictor:
     def _record_removed(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         for tier in TierName:  # a consumer ignores the removal of a copy it never saw
             self._events.record(node, tier, True, shard_ids)
+
+
+def _shard_of(offer: ShardOffer) -> ShardId:
+    return ShardId(offer.namespace, offer.key, offer.rank)
 
 
 def _ids(shard_ids: list[ShardId]) -> list[ShardId]:

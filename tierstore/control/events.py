@@ -10,6 +10,7 @@ tiers of the whole cluster. The log is bounded: a reader that fell behind gets a
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from itertools import islice
 from typing import NamedTuple
 
@@ -54,6 +55,16 @@ class EventLog:
             )
             self._next_seq += 1
 
+    def record_held(
+        self, node: NodeId, removed: bool, held: Iterable[tuple[ShardId, TierName]]
+    ) -> None:
+        """``held``'s copies, each under its own tier (a restore, a lost node)."""
+        by_tier: dict[TierName, list[ShardId]] = {}
+        for shard, tier in held:
+            by_tier.setdefault(tier, []).append(shard)
+        for tier, shards in by_tier.items():
+            self.record(node, tier, removed, shards)
+
     def since(self, after: int, namespace: Namespace, limit: int = 10_000) -> EventBatch:
         """Events of ``namespace`` with ``seq >= after``, oldest first."""
         if after > self._next_seq:  # this Evictor restarted: its log began again at 0
@@ -69,7 +80,3 @@ class EventLog:
                 if len(events) >= limit:
                     break
         return EventBatch(next_seq, lost, events)
-
-    @property
-    def next_seq(self) -> int:
-        return self._next_seq

@@ -183,10 +183,14 @@ class TierStoreManager(OffloadingManager):
     def _allowed(self, answer: _Answer, tier_filter: TierFilter) -> bool:
         """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
         and one held on another node (any rank) as REMOTE."""
-        local = all(node == self._local_node for node in (answer.where or {}).values())
         return tier_filter.allows(
-            _MEDIUMS[answer.tier], Locality.LOCAL if local else Locality.REMOTE
+            _MEDIUMS[answer.tier], self._locality((answer.where or {}).values())
         )
+
+    def _locality(self, nodes: Iterable[NodeId]) -> Locality:
+        """LOCAL when every copy named is on this engine's node."""
+        local = all(node == self._local_node for node in nodes)
+        return Locality.LOCAL if local else Locality.REMOTE
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -242,9 +246,7 @@ class TierStoreManager(OffloadingManager):
                         keys=list(event.keys),
                         medium=_MEDIUMS[TierName(event.tier)],
                         removed=event.removed,
-                        locality=Locality.LOCAL
-                        if event.node == self._local_node
-                        else Locality.REMOTE,
+                        locality=self._locality((event.node,)),
                     )
                 )
 
