@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 import ray
@@ -12,19 +10,13 @@ from ray.cluster_utils import Cluster
 
 from actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
 from actors.placement import node_store_name
+from tests.support import FAST_HEALTH_CHECKS, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace
 
 NAMESPACE = "tierstore-cluster-tests"
 NS = Namespace("c1c1")
-# Ray's own tests shorten failure detection like this (ray-notes.md).
-FAST_HEALTH_CHECKS = {
-    "health_check_period_ms": 100,
-    "health_check_timeout_ms": 100,
-    "health_check_failure_threshold": 3,
-    "health_check_initial_delay_ms": 0,
-}
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +33,7 @@ def cluster() -> Iterator[Cluster]:
     cluster.shutdown()
 
 
-def _wait(check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
+_WAIT_S = 30.0
 
 
 def _has_store(node_id: str) -> bool:
@@ -66,9 +52,13 @@ def test_every_node_gets_a_node_store_and_a_lost_node_takes_its_chunks(cluster: 
 
     # A node that joins later gets its NodeStore without anyone running `tierstore up`.
     joined = cluster.add_node(num_cpus=1)
-    assert _wait(lambda: _has_store(joined.node_id)), "no NodeStore on the new node"
+    assert wait_for(lambda: _has_store(joined.node_id), "a NodeStore on the new node", _WAIT_S)
     evictor = get_or_create_evictor(cfg)
-    assert _wait(lambda: joined.node_id in ray.get(evictor.status.remote())["nodes"])
+    assert wait_for(
+        lambda: joined.node_id in ray.get(evictor.status.remote())["nodes"],
+        "the new node in the Evictor's status",
+        _WAIT_S,
+    )
 
     # A chunk whose rank 1 lives on the new node: a HIT while the node is up...
     key = ChunkKey(b"\x01" * 8 + b"\0\0\0\0")
@@ -85,7 +75,7 @@ def test_every_node_gets_a_node_store_and_a_lost_node_takes_its_chunks(cluster: 
         status = ray.get(evictor.status.remote())
         return joined.node_id not in status["nodes"]
 
-    assert _wait(forgotten), "the lost node is still indexed"
+    assert wait_for(forgotten, "the lost node forgotten", _WAIT_S)
     (answer,) = ray.get(evictor.lookup.remote(NS, [key], "t", 1.0), timeout=10)
     assert LookupState(answer[0]) is LookupState.MISS
     head_status = ray.get(evictor.status.remote())["nodes"][head]

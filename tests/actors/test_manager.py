@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import (
 
 from actors.bootstrap import get_or_create_evictor
 from actors.evictor import Evictor
+from tests.support import wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ShardOffer
 from tierstore.keys import ChunkKey, Namespace, NodeId
@@ -126,14 +127,7 @@ def test_prepare_store_skips_keys_stored_or_in_flight(cfg: TierStoreConfig) -> N
     manager.shutdown()
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"never saw {what}")
+_WAIT_S = 10.0
 
 
 def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreConfig) -> None:
@@ -163,7 +157,7 @@ def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreCo
             payloads.append(stats.data["data"])
         return next((p[metrics.TIER_USED] for p in payloads if metrics.TIER_USED in p), None)
 
-    assert _wait_for(tier_gauges, "the Evictor's status")[(node[:12], "cpu")] == 100
+    assert wait_for(tier_gauges, "the Evictor's status", _WAIT_S)[(node[:12], "cpu")] == 100
     # Taken counters are not sent twice.
     assert all(metrics.LOOKUP_HITS not in p for p in payloads[1:])
     # vLLM's API server asserts that every emitted name was declared, with its labels.
@@ -196,13 +190,13 @@ def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
         time.sleep(0.1)
         return list(m.take_events())
 
-    seen = _wait_for(lambda: events_of(manager), "KV events")
+    seen = wait_for(lambda: events_of(manager), "KV events", _WAIT_S)
     stored = [(e.keys, e.medium) for e in seen if not e.removed]
     removed = [(e.keys, e.medium) for e in seen if e.removed]
     assert stored == [([_key(1)], Medium.CPU), ([_key(3)], Medium.CPU)]
     assert ([_key(1)], Medium.CPU) in removed
     assert all(e.locality is Locality.LOCAL for e in seen)
-    remote = _wait_for(lambda: events_of(other), "KV events")
+    remote = wait_for(lambda: events_of(other), "KV events", _WAIT_S)
     assert remote and all(e.locality is Locality.REMOTE for e in remote)
     manager.shutdown()
     other.shutdown()

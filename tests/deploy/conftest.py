@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.support import free_port
 
 _START_TIMEOUT_S = 180
 _STOP_GRACE_S = 10
@@ -33,12 +34,6 @@ class RayHead:
     dashboard_url: str
     temp_dir: Path
     env: dict[str, str]  # for `ray` commands against it (auth mode, the venv's `python`)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _processes_of(temp_dir: Path) -> list[psutil.Process]:
@@ -79,12 +74,12 @@ def ray_head() -> Iterator[RayHead]:
     bin_dir = os.path.dirname(sys.executable)
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the job's `python`
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     cmd = [os.path.join(bin_dir, "ray"), "start", "--head", "--disable-usage-stats"]
     cmd += ["--port", str(gcs_port), "--num-cpus", "2", "--temp-dir", str(temp_dir)]
     cmd += ["--dashboard-port", str(dashboard_port), "--include-dashboard=true"]
-    cmd += ["--dashboard-agent-listen-port", str(_free_port())]
-    cmd += ["--ray-client-server-port", str(_free_port())]
+    cmd += ["--dashboard-agent-listen-port", str(free_port())]
+    cmd += ["--ray-client-server-port", str(free_port())]
     try:
         started = subprocess.run(
             cmd, env=env, capture_output=True, text=True, timeout=_START_TIMEOUT_S

@@ -28,17 +28,11 @@ from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evict
 from deploy.cli import collect_status
 from deploy.engine_actor import start_engine_on
 from deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
+from tests.support import FAST_HEALTH_CHECKS
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-multinode"
 PROMPT = random_prompt(1000, seed=11)
-# Ray's own tests shorten failure detection like this (ray-notes.md).
-FAST_HEALTH_CHECKS = {
-    "health_check_period_ms": 100,
-    "health_check_timeout_ms": 100,
-    "health_check_failure_threshold": 3,
-    "health_check_initial_delay_ms": 0,
-}
 _WAIT_TIMEOUT_S = 60.0
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from tests.e2e.conftest import (
     REPO,
     tierstore_extra,
 )
+from tests.support import free_port
 from tierstore.errors import ConfigError
 
 PROMPT = random_prompt(1000, seed=53)  # no other test uses it: the first request is cold
@@ -42,12 +42,6 @@ _METRICS_TIMEOUT_S = 10  # the engine's stats reach the API process with its out
 _STOP_GRACE_S = 30
 _LOG_TAIL_CHARS = 12_000
 _EVENTS_TOPIC = "kv"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _post(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -200,12 +194,12 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
     ray_cluster: str, tiny_model, tmp_path: Path
 ) -> None:
     model = tiny_model("llama", "float32")
-    events_port = _free_port()
+    events_port = free_port()
     argv = serve_command(
         model,
         tierstore_extra(ray_address=ray_cluster),
         host="127.0.0.1",
-        port=_free_port(),
+        port=free_port(),
         dtype="float32",
         block_size=32,
         max_model_len=4096,
