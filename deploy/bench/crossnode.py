@@ -22,26 +22,17 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import (
-    ensure_actors,
-    find_node_store,
-    get_or_create_node_store,
-    shutdown_actors,
-)
+from actors.bootstrap import ensure_actors, shutdown_actors
 from deploy.bench import plots
+from deploy.bench.dataplane import PageJobs
 from tierstore.config import TierStoreConfig
-from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace, NodeId
-from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
-from tierstore.vllm.worker import TierStoreWorker
+from tierstore.vllm.transfer_specs import LoadSpec
 
 NAMESPACE = "tierstore-bench-crossnode"
 NS = Namespace("c055")
-PAGE = 64 * 1024  # bytes of one block's page
 _REPEATS = 5
 _SEED = 1234
 
@@ -50,38 +41,13 @@ class Endpoint:
     """One side: a KV cache of random pages and a tierstore worker on this node."""
 
     def __init__(self, cfg: TierStoreConfig, size: int) -> None:
-        self._blocks = size // PAGE
-        generator = torch.Generator().manual_seed(_SEED)
-        self._kv = torch.randint(
-            -128, 127, (2 * self._blocks + 1, PAGE), dtype=torch.int8, generator=generator
-        )
-        layout = ChunkLayout([self._kv], [[(0, PAGE)]], blocks_per_chunk=self._blocks)
-        node = ray.get_runtime_context().get_node_id()
-        self._worker = TierStoreWorker(
-            layout,
-            0,
-            1,
-            get_or_create_node_store(cfg, node),
-            lambda n: find_node_store(cfg.namespace, n),
-            120,
-        )
-        self._job = 0
+        self._jobs = PageJobs(cfg, NS, size, seed=_SEED)
         self._size = size
         self._payload = np.random.default_rng(_SEED).integers(0, 255, size, dtype=np.uint8)
 
-    def _spec(self, first_block: int) -> GPULoadStoreSpec:
-        ids = list(range(first_block, first_block + self._blocks))
-        return GPULoadStoreSpec(ids, group_sizes=[self._blocks], block_indices=[0])
-
-    def _run(self, submit: Any) -> None:
-        self._job += 1
-        submit(self._job)
-        while not any(r.job_id == self._job for r in self._worker.get_finished()):
-            time.sleep(0.0005)
-
     def store(self, key: bytes) -> str:
         """Stores the source pages as one chunk; returns this node's id."""
-        self._run(lambda j: self._worker.submit_store(j, self._spec(1), StoreSpec(NS, (key,))))
+        self._jobs.store(ChunkKey(key))
         return ray.get_runtime_context().get_node_id()
 
     def load_s(self, key: bytes, where: str) -> float:
@@ -89,12 +55,12 @@ class Endpoint:
         spec = LoadSpec.build(NS, [ChunkKey(key)], [{0: NodeId(where)}])
         times = []
         for _ in range(_REPEATS):
-            self._kv[self._blocks + 1 :].zero_()
+            self._jobs.clear_loaded()
             started = time.perf_counter()
-            self._run(lambda j: self._worker.submit_load(j, spec, self._spec(self._blocks + 1)))
+            self._jobs.load(spec)
             times.append(time.perf_counter() - started)
         # The same seed made node A's source pages: the bytes must have arrived intact.
-        assert torch.equal(self._kv[self._blocks + 1 :], self._kv[1 : self._blocks + 1])
+        assert self._jobs.loaded_intact()
         return statistics.median(times)
 
     def put(self) -> list[ray.ObjectRef]:
@@ -116,7 +82,7 @@ class Endpoint:
         return elapsed
 
     def shutdown(self) -> None:
-        self._worker.shutdown()
+        self._jobs.shutdown()
 
 
 def _endpoint(cfg: TierStoreConfig, node_id: str, size: int) -> ray.actor.ActorHandle:

@@ -31,6 +31,7 @@ from tierstore.vllm.worker import TierStoreWorker
 NS = Namespace("da7a")
 PAGE = 64 * 1024  # bytes of one block's page (one layer)
 _REPEATS = 5
+_TRANSFER_TIMEOUT_S = 120.0  # a worker waiting longer on a NodeStore fails the job
 
 
 def _median_s(run: Callable[[], None]) -> float:
@@ -42,45 +43,80 @@ def _median_s(run: Callable[[], None]) -> float:
     return statistics.median(times)
 
 
-def _drain(worker: TierStoreWorker, job_id: int) -> None:
-    while True:
-        if any(r.job_id == job_id for r in worker.get_finished()):
-            return
-        time.sleep(0.0005)
+class PageJobs:
+    """A one-group KV cache of ``2 * blocks + 1`` random pages and a real tierstore worker
+    on this node: a store sends blocks ``1..blocks`` as one chunk, a load writes blocks
+    ``blocks+1..2*blocks``, so what a load wrote can be checked against the source.
+    The data-plane and cross-node benchmarks both drive one."""
+
+    def __init__(
+        self, cfg: TierStoreConfig, namespace: Namespace, size: int, seed: int | None = None
+    ) -> None:
+        self._namespace = namespace
+        self._blocks = size // PAGE
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self._kv = torch.randint(
+            -128, 127, (2 * self._blocks + 1, PAGE), dtype=torch.int8, generator=generator
+        )
+        layout = ChunkLayout([self._kv], [[(0, PAGE)]], blocks_per_chunk=self._blocks)
+        node = ray.get_runtime_context().get_node_id()
+        self._worker = TierStoreWorker(
+            layout,
+            0,
+            1,
+            get_or_create_node_store(cfg, node),
+            lambda n: find_node_store(cfg.namespace, n),
+            _TRANSFER_TIMEOUT_S,
+        )
+        self._source = self._pages_from(1)
+        self._destination = self._pages_from(self._blocks + 1)
+        self._job = 0
+
+    def _pages_from(self, first_block: int) -> GPULoadStoreSpec:
+        ids = list(range(first_block, first_block + self._blocks))
+        return GPULoadStoreSpec(ids, group_sizes=[self._blocks], block_indices=[0])
+
+    def _run(self, submit: Callable[[int], object]) -> None:
+        """Submits one job and returns once the worker reports it done."""
+        self._job += 1
+        submit(self._job)
+        while not any(r.job_id == self._job for r in self._worker.get_finished()):
+            time.sleep(0.0005)
+
+    def store(self, key: ChunkKey) -> None:
+        spec = StoreSpec(self._namespace, (key,))
+        self._run(lambda job: self._worker.submit_store(job, self._source, spec))
+
+    def load(self, spec: LoadSpec) -> None:
+        self._run(lambda job: self._worker.submit_load(job, spec, self._destination))
+
+    def clear_loaded(self) -> None:
+        self._kv[self._blocks + 1 :].zero_()
+
+    def loaded_intact(self) -> bool:
+        """The destination pages equal the source pages (same seed on another node)."""
+        return torch.equal(self._kv[self._blocks + 1 :], self._kv[1 : self._blocks + 1])
+
+    def shutdown(self) -> None:
+        self._worker.shutdown()
 
 
 def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, Any]:
-    blocks = size // PAGE
-    kv = torch.randint(-128, 127, (2 * blocks + 1, PAGE), dtype=torch.int8)
-    layout = ChunkLayout([kv], [[(0, PAGE)]], blocks_per_chunk=blocks)
-    node = ray.get_runtime_context().get_node_id()
-    store = get_or_create_node_store(cfg, node)
-    worker = TierStoreWorker(layout, 0, 1, store, lambda n: find_node_store(cfg.namespace, n), 120)
-    src = GPULoadStoreSpec(list(range(1, blocks + 1)), group_sizes=[blocks], block_indices=[0])
-    dst = GPULoadStoreSpec(
-        list(range(blocks + 1, 2 * blocks + 1)), group_sizes=[blocks], block_indices=[0]
-    )
+    jobs = PageJobs(cfg, NS, size)
     evictor = get_or_create_evictor(cfg)
 
     def store_once() -> ChunkKey:
         round_[0] += 1
         key = ChunkKey(round_[0].to_bytes(8, "big") + b"\0\0\0\0")
-        worker.submit_store(round_[0], src, StoreSpec(NS, (key,)))
-        _drain(worker, round_[0])
+        jobs.store(key)
         return key
 
     keys: list[ChunkKey] = []
     store_s = _median_s(lambda: keys.append(store_once()))
     (answer,) = ray.get(evictor.lookup.remote(NS, [keys[-1]], "bench", 60.0))
     spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
-
-    def load_once() -> None:
-        round_[0] += 1
-        worker.submit_load(round_[0], spec, dst)
-        _drain(worker, round_[0])
-
-    load_s = _median_s(load_once)
-    assert torch.equal(kv[blocks + 1 :], kv[1 : blocks + 1])  # the bytes really moved
+    load_s = _median_s(lambda: jobs.load(spec))
+    assert jobs.loaded_intact()  # the bytes really moved
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     out = np.empty_like(data)
     memcpy_s = _median_s(lambda: np.copyto(out, data))
@@ -88,7 +124,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
     ref = ray.put(data)
     get_s = _median_s(lambda: ray.get(ref))
     roundtrip_s = _median_s(lambda: ray.get(ray.put(data)))
-    worker.shutdown()
+    jobs.shutdown()
     gbps = lambda seconds: size / seconds / 1e9  # noqa: E731
     return {
         "bytes": size,
