@@ -139,17 +139,22 @@ def _config_flags(parser: argparse.ArgumentParser) -> None:
         if field.name in _CLUSTER_KEYS:
             continue
         is_bool = field.type in ("bool", bool)
+        required = field.default is dataclasses.MISSING
         parser.add_argument(
-            "--" + field.name.replace("_", "-"),
+            _flag_of(field.name),
             dest=field.name,
             default=None,
-            required=field.name == "cpu_bytes_per_node",
+            required=required,
             nargs="?" if is_bool else None,
             const="true" if is_bool else None,
-            help=f"config key {field.name} (default {field.default!r})"
-            if field.default is not dataclasses.MISSING
-            else f"config key {field.name} (required), e.g. 8GiB",
+            help=f"config key {field.name} (required), e.g. 8GiB"
+            if required
+            else f"config key {field.name} (default {field.default!r})",
         )
+
+
+def _flag_of(key: str) -> str:
+    return "--" + key.replace("_", "-")
 
 
 def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
@@ -163,7 +168,7 @@ def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
                 value = float(value)
             except ValueError:
                 raise ConfigError(
-                    f"--{field.name.replace('_', '-')}: expected a number, got {value!r}"
+                    f"{_flag_of(field.name)}: expected a number, got {value!r}"
                 ) from None
         given[field.name] = value
     return TierStoreConfig.from_extra_config(given)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.models import make_tiny_model
-from deploy.passes import TIERSTORE_SPEC, EngineSpec, build_llm, random_prompt, run_pass
+from deploy.passes import TIERSTORE_SPEC, EngineSpec, build_llm, random_prompt, run_pass, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,7 @@ def run_demo(
         },
     )
     llm = build_llm(spec)
-    # Warm the engine up on an unrelated prompt, so pass 1's first TTFT is not start-up.
-    run_pass(llm, [random_prompt(64, seed=99)], max_tokens=1)
+    warm_up(llm)
     prompts = conversation_prompts()
     passes = [
         run_pass(llm, prompts, max_tokens=8, reset_each=True, progress=f"pass {n + 1}")

@@ -150,6 +150,11 @@ def run_request(llm: Any, prompt: list[int], params: Any) -> RequestResult:
     return RequestResult(list(completion.token_ids), logprobs, cached, ttft, wall)
 
 
+def warm_up(llm: Any) -> None:
+    """One request on an unrelated prompt, so the first measured TTFT is not start-up."""
+    run_request(llm, random_prompt(64, seed=99), sampling_params(1))
+
+
 def settle(seconds: float = 1.0) -> None:
     """Give the last step's stores time to land (they finish on the engine's next steps)."""
     time.sleep(seconds)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.bench.workloads import build
-from deploy.passes import EngineSpec, build_llm, random_prompt, run_request, sampling_params, settle
+from deploy.passes import EngineSpec, build_llm, run_request, sampling_params, settle, warm_up
 
 _STORES_SETTLE_S = 2.0  # stores of a workload's last requests land on the next steps
 
@@ -76,8 +76,7 @@ def main() -> None:
 
         # Only to read the counters; the engine's own processes joined on their own.
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, log_to_driver=False)
-    # Warm-up on an unrelated prompt, so the first measured TTFT is not start-up.
-    run_request(llm, random_prompt(64, seed=99), sampling_params(1))
+    warm_up(llm)
     results = {
         name: run_workload(llm, w["kind"], w["params"], plan["max_tokens"], namespace)
         for name, w in plan["workloads"].items()
