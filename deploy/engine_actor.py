@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from deploy.passes import EngineSpec, build_llm, run_pass, settle
+from deploy.passes import EngineSpec, build_llm, drain, run_pass
 
 # The engine core in the actor's own process: a spawned engine process would join Ray
 # as a new driver, on whichever node its address resolves to, not on the actor's node.
@@ -34,11 +34,11 @@ class EngineHost:
         self, prompts: list[list[int]], max_tokens: int = 8, reset_each: bool = False
     ) -> dict[str, Any]:
         result = asdict(run_pass(self._llm, prompts, max_tokens, reset_each))
-        settle()  # the stores of the last step land before the caller looks
+        drain(self._llm)  # every store has landed before the caller looks
         return result
 
     def reset_prefix_cache(self) -> bool:
-        settle()
+        drain(self._llm)
         return bool(self._llm.reset_prefix_cache())
 
 

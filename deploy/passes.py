@@ -111,7 +111,7 @@ def run_pass(
     shown = progress is not None and sys.stderr.isatty()
     for prompt in tqdm(prompts, desc=progress, unit="request", disable=not shown):
         if reset_each:
-            settle()
+            drain(llm)
             llm.reset_prefix_cache()
         result.requests.append(run_request(llm, prompt, params))
     return result
@@ -155,9 +155,28 @@ def warm_up(llm: Any) -> None:
     run_request(llm, random_prompt(64, seed=99), sampling_params(1))
 
 
-def settle(seconds: float = 1.0) -> None:
-    """Give the last step's stores time to land (they finish on the engine's next steps)."""
-    time.sleep(seconds)
+def drain(llm: Any, timeout_s: float = 120.0) -> None:
+    """Return once the engine has no connector work left: every store job of the requests
+    run so far is submitted, and acknowledged by its NodeStore (so the Evictor indexes it).
+
+    ``generate`` returns when the last token is out, but vLLM builds a finished request's
+    last store jobs on the next step and submits them on the one after. A multiprocess
+    engine core keeps stepping while its connector has jobs (``has_pending_push_work``):
+    pausing it in "wait" mode returns when that is over. An in-process engine core steps
+    only when called, so this steps it until its scheduler has nothing left.
+    """
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # InprocClient: the EngineCore itself
+    if core is None:
+        client.call_utility("pause_scheduler", "wait", False)  # blocks until drained
+        client.call_utility("resume_scheduler")
+        return
+    deadline = time.monotonic() + timeout_s
+    while core.scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine still has connector work after {timeout_s} s")
+        llm.llm_engine.step()
+        time.sleep(0.005)  # mostly waiting on transfer threads: leave them the cores
 
 
 def run_passes(
@@ -172,7 +191,7 @@ def run_passes(
     passes = []
     for _ in range(n_passes):
         passes.append(asdict(run_pass(llm, prompts, max_tokens, reset_each)))
-        settle()
+        drain(llm)
         if reset_between:
             llm.reset_prefix_cache()
     return passes

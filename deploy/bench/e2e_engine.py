@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from deploy.bench.workloads import build
-from deploy.passes import EngineSpec, build_llm, run_request, sampling_params, settle, warm_up
-
-_STORES_SETTLE_S = 2.0  # stores of a workload's last requests land on the next steps
+from deploy.passes import EngineSpec, build_llm, drain, run_request, sampling_params, warm_up
 
 
 def _tierstore_totals(namespace: str | None) -> dict[str, int]:
@@ -34,7 +32,7 @@ def _tierstore_totals(namespace: str | None) -> dict[str, int]:
 def run_workload(
     llm: Any, kind: str, params: dict[str, int], max_tokens: int, namespace: str | None
 ) -> dict[str, Any]:
-    settle()
+    drain(llm)
     llm.reset_prefix_cache()
     before = _tierstore_totals(namespace)
     sampling = sampling_params(max_tokens)
@@ -56,7 +54,7 @@ def run_workload(
     started = time.perf_counter()
     build(kind, params).run(generate)
     wall_s = time.perf_counter() - started
-    settle(_STORES_SETTLE_S)
+    drain(llm)
     after = _tierstore_totals(namespace)
     return {
         "kind": kind,
