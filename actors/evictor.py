@@ -149,6 +149,10 @@ class Evictor:
         self._index.release(namespace, keys, holder)
         self._index.record_loaded(loaded)
 
+    def report_failed_stores(self, n_jobs: int) -> None:
+        """A worker lost store jobs (vLLM has no failure path, so only this counts them)."""
+        self._index.record_failed_stores(n_jobs)
+
     def release_holder(self, holder: str) -> None:
         self._index.release_holder(holder)
 

@@ -65,19 +65,7 @@ def collect_status(namespace: str) -> dict[str, Any]:
         stats[counter] = sum(node["stats"][counter] for node in nodes)
     return {
         "nodes": nodes,
-        "totals": {
-            "stored_chunks": stats["stored_chunks"],
-            "loaded_chunks": stats["loaded_chunks"],
-            "hits": stats["hits"],
-            "misses": stats["misses"],
-            "evicted_chunks": stats["evicted_chunks"],
-            "demoted_shards": stats["demoted_shards"],
-            "promoted_shards": stats["promoted_shards"],
-            "skipped_stores": stats["skipped_stores"],
-            "corrupt_before_hit": stats["corrupt_before_hit"],
-            "corrupt_after_hit": stats["corrupt_after_hit"],
-            "indexed_chunks": evictor_status["chunks"],
-        },
+        "totals": {**stats, "indexed_chunks": evictor_status["chunks"]},
     }
 
 
@@ -122,8 +110,9 @@ def format_status(status: dict[str, Any]) -> str:
     )
     lines.append(
         f"evicted {totals['evicted_chunks']}, demoted {totals['demoted_shards']}, skipped "
-        f"stores {totals['skipped_stores']}, corrupt {totals['corrupt_before_hit']} before "
-        f"HIT (became misses) / {totals['corrupt_after_hit']} after HIT"
+        f"stores {totals['skipped_stores']}, failed stores {totals['failed_stores']}, corrupt "
+        f"{totals['corrupt_before_hit']} before HIT (became misses) / "
+        f"{totals['corrupt_after_hit']} after HIT"
     )
     return "\n".join(lines)
 

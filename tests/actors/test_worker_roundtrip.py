@@ -11,6 +11,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
 from deploy.cli import collect_status
+from tests.support import wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.data.layout import ChunkLayout
@@ -35,7 +36,16 @@ def _worker(cfg: TierStoreConfig, kv: list[torch.Tensor]) -> TierStoreWorker:
     layout = ChunkLayout(kv, [[(0, PAGE_BYTES[0])], [(1, PAGE_BYTES[1])]], blocks_per_chunk=2)
     node = ray.get_runtime_context().get_node_id()
     store = get_or_create_node_store(cfg, node)
-    return TierStoreWorker(layout, 0, 1, store, lambda n: find_node_store(cfg.namespace, n), 30.0)
+    evictor = get_or_create_evictor(cfg)
+    return TierStoreWorker(
+        layout,
+        0,
+        1,
+        store,
+        lambda n: find_node_store(cfg.namespace, n),
+        30.0,
+        report_failed_stores=lambda n: evictor.report_failed_stores.remote(n),
+    )
 
 
 def _keys(n: int, group: int, start: int = 0) -> list[ChunkKey]:
@@ -165,6 +175,13 @@ def test_store_to_a_dead_node_store_is_skipped_not_fatal(cfg: TierStoreConfig) -
     worker.submit_store(2, src, StoreSpec(NS, tuple(_keys(1, 0, start=50))))
     assert _drain(worker, 1) == [2]  # reported done: a lost store only costs a recompute
     assert worker.failed_stores == 1
+    # vLLM cannot be told, so the worker tells the Evictor: it shows in `tierstore status`.
+    evictor = get_or_create_evictor(cfg)
+    wait_for(
+        lambda: ray.get(evictor.status.remote())["totals"]["failed_stores"] == 1,
+        "the failed store counted by the Evictor",
+        timeout_s=10,
+    )
     # A load from the dead NodeStore must never be reported done.
     before = [t.clone() for t in kv]
     dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])

@@ -8,6 +8,7 @@ import pytest
 
 from deploy.cli import build_parser, format_status
 from tierstore.config import TierStoreConfig
+from tierstore.control.index import IndexStats
 from tierstore.errors import ConfigError
 
 
@@ -79,24 +80,11 @@ def test_status_table_has_a_row_per_node_and_tier_with_stores_loads_corruptions(
         "disk": {"used_bytes": 0, "capacity_bytes": 0, "chunks": 0},
         "stats": stats,
     }
-    totals = dict.fromkeys(
-        [
-            "stored_chunks",
-            "loaded_chunks",
-            "misses",
-            "evicted_chunks",
-            "demoted_shards",
-            "promoted_shards",
-            "skipped_stores",
-            "corrupt_before_hit",
-            "corrupt_after_hit",
-            "indexed_chunks",
-        ],
-        0,
-    )
-    totals.update(hits=3, misses=1)
+    totals = dict.fromkeys([*vars(IndexStats()), "indexed_chunks"], 0)  # what the Evictor sends
+    totals.update(hits=3, misses=1, failed_stores=4)
     text = format_status({"nodes": [node], "totals": totals})
     cpu_row = next(line for line in text.splitlines() if line.startswith("abcdef012345"))
     assert cpu_row.split()[-3:] == ["31", "7", "2"]  # stores, loads, corrupt
     assert "3.0 MiB" in cpu_row and "1.0 GiB" in cpu_row
     assert "hit rate 75.0 %" in text
+    assert "failed stores 4" in text

@@ -175,6 +175,7 @@ class IndexStats:
     demoted_shards: int = 0
     promoted_shards: int = 0
     skipped_stores: int = 0
+    failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore
     corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
     corrupt_after_hit: int = 0  # failed verification on load: the engine was stopped
 
@@ -825,6 +826,9 @@ class ChunkIndex:
     # ---- introspection -------------------------------------------------------------------
     def record_loaded(self, n_chunks: int) -> None:
         self.stats.loaded_chunks += n_chunks
+
+    def record_failed_stores(self, n_jobs: int) -> None:
+        self.stats.failed_stores += n_jobs
 
     def shards_on(self, node: NodeId) -> set[tuple[ShardId, TierName]]:
         """Every copy the index believes ``node`` holds."""

@@ -5,8 +5,9 @@ vLLM's API server builds one Prometheus metric per entry of
 through ``get_stats`` was declared, so the declarations and the recorder live together.
 Bytes and times of each transfer job are vLLM's own ``vllm:kv_offload_*`` metrics (the
 worker reports them in ``TransferResult``). Cluster-wide state (tier occupancy, what the
-Evictor evicted, demoted, promoted, skipped, found corrupt) comes from the Evictor's
-status, polled off the scheduler thread, as gauges: every engine reports the same totals.
+Evictor evicted, demoted, promoted, skipped, found corrupt, store jobs workers lost) comes
+from the Evictor's status, polled off the scheduler thread, as gauges: every engine
+reports the same totals.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ LOOKUP_HITS = PREFIX + "lookup_hits"
 LOOKUP_MISSES = PREFIX + "lookup_misses"
 LOADED_CHUNKS = PREFIX + "loaded_chunks"
 STORED_CHUNKS = PREFIX + "stored_chunks"
-FAILED_STORES = PREFIX + "failed_stores"
 LOOKUP_WAIT = PREFIX + "lookup_wait_seconds"
 STORE_LATENCY = PREFIX + "store_latency_seconds"
 LOAD_LATENCY = PREFIX + "load_latency_seconds"
@@ -54,6 +54,7 @@ CLUSTER_TOTALS = {
     "demoted_shards": "Shards demoted from CPU to disk.",
     "promoted_shards": "Shards promoted from disk to CPU before a HIT.",
     "skipped_stores": "Stores refused because only leased or pinned chunks were left.",
+    "failed_stores": "Store jobs a worker could not hand to its NodeStore (not kept).",
     "corrupt_before_hit": "Chunks that failed verification while promoted (became misses).",
     "corrupt_after_hit": "Chunks that failed verification on load (the engine stopped).",
 }
@@ -71,7 +72,6 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         LOOKUP_MISSES: ("Chunk lookups answered MISS.", ()),
         LOADED_CHUNKS: ("Chunks loaded into the KV cache, by the tier that served them.", _TIER),
         STORED_CHUNKS: ("Chunks this engine stored into tierstore.", ()),
-        FAILED_STORES: ("Store jobs that failed (the chunks were not kept).", ()),
     }
     histograms = {
         LOOKUP_WAIT: "Time from a lookup's first RETRY to the Evictor's answer.",

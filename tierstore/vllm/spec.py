@@ -123,6 +123,7 @@ class TierStoreSpec(OffloadingSpec):
             self.blocks_per_chunk,
         )
         node_id = ray.get_runtime_context().get_node_id()
+        evictor = get_or_create_evictor(self.store_config)
         local_store = get_or_create_node_store(self.store_config, node_id)
         # Start-up only (never in a step): wait until the NodeStore has registered what its
         # disk tier recovered, so the first lookups already see it.
@@ -141,4 +142,5 @@ class TierStoreSpec(OffloadingSpec):
             local_store=local_store,
             find_store=_StoreDirectory(namespace, NodeId(node_id), local_store),
             transfer_timeout_s=self.store_config.transfer_timeout_s,
+            report_failed_stores=lambda n: evictor.report_failed_stores.remote(n),
         )

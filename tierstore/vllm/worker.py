@@ -41,6 +41,8 @@ from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 logger = logging.getLogger(__name__)
 
 NodeStoreLookup = Callable[[NodeId], ray.actor.ActorHandle]
+# Told how many store jobs were just lost: vLLM has no failure path to count them by.
+StoreFailureReport = Callable[[int], None]
 
 
 class TierStoreWorker(OffloadingWorker):
@@ -52,6 +54,7 @@ class TierStoreWorker(OffloadingWorker):
         local_store: ray.actor.ActorHandle,
         find_store: NodeStoreLookup,
         transfer_timeout_s: float,
+        report_failed_stores: StoreFailureReport | None = None,
     ) -> None:
         self._layout = layout
         self._copier = make_copier(layout)
@@ -65,6 +68,7 @@ class TierStoreWorker(OffloadingWorker):
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
+        self._report_failed_stores = report_failed_stores
 
     # ---- stores ----------------------------------------------------------------------------
     @override
@@ -101,6 +105,11 @@ class TierStoreWorker(OffloadingWorker):
                 exc_info=True,
             )
             self.failed_stores += 1
+            if self._report_failed_stores is not None:
+                try:
+                    self._report_failed_stores(1)
+                except Exception:  # best effort: the Evictor may be what failed
+                    logger.debug("could not report the failed store", exc_info=True)
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
