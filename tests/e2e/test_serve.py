@@ -128,6 +128,14 @@ def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
     }
 
 
+def _drain(base: str) -> None:
+    """Until the engine has no connector work left: every store of the finished requests
+    is acknowledged. vLLM's dev-mode ``/pause?mode=wait`` returns once the engine core has
+    drained (its connector's pending jobs keep it stepping); ``/resume`` lets it go on."""
+    assert _post(base + "/pause?mode=wait&clear_cache=false")["status"] == "paused"
+    assert _post(base + "/resume")["status"] == "resumed"
+
+
 def _reset(base: str, external: bool) -> None:
     """Retried: it fails while blocks are held, e.g. by stores still in flight."""
     url = base + "/reset_prefix_cache" + ("?reset_external=true" if external else "")
@@ -225,6 +233,7 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         kv_events = _KVEvents(events_port)
         before = collect_status(RAY_NAMESPACE)["totals"]  # the engine made the actors
         cold = _complete(base, model, PROMPT)
+        _drain(base)  # the next request must find every chunk of this one stored
         _reset(base, external=False)  # succeeds once the stores have released their blocks
         _reset(base, external=True)  # the connector forgets its view; the chunks stay
         warm = _complete(base, model, PROMPT)
