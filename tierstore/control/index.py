@@ -794,19 +794,24 @@ class ChunkIndex:
         for key in keys:
             cid = ChunkId(namespace, key)
             holders = self._leases.get(cid)
-            if holders is not None:
-                holders.pop(holder, None)
-                if not holders:
-                    del self._leases[cid]
-                    self._unpark(UnitId(namespace, boundary_of(key)))
+            if holders is not None and holders.pop(holder, None) is not None:
+                self._released(cid, holders)
 
     def release_holder(self, holder: str) -> None:
         """An engine went away: everything it held is evictable again."""
-        for cid in list(self._leases):
-            self._leases[cid].pop(holder, None)
-            if not self._leases[cid]:
-                del self._leases[cid]
-                self._unpark(UnitId(cid.namespace, boundary_of(cid.key)))
+        for cid, holders in list(self._leases.items()):
+            if holders.pop(holder, None) is not None:
+                self._released(cid, holders)
+
+    def _released(self, cid: ChunkId, holders: dict[str, float]) -> None:
+        """A holder let go of ``cid``. A parked unit waits only for the leases left: its
+        wake-up was set by the longest lease, which may have been this one."""
+        uid = UnitId(cid.namespace, boundary_of(cid.key))
+        if not holders:
+            del self._leases[cid]
+            self._unpark(uid)
+        elif uid in self._parked:
+            heapq.heappush(self._wakeups, (max(holders.values()), next(self._tie), uid))
 
     def _is_leased(self, cid: ChunkId, now: float) -> bool:
         holders = self._leases.get(cid)
