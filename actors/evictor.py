@@ -43,7 +43,9 @@ class Evictor:
         self._cfg = cfg
         self._namespace = cfg.namespace
         self._index = ChunkIndex(
-            cfg.eviction_policy, Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark)
+            cfg.eviction_policy,
+            Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark),
+            replicate_after_loads=cfg.replicate_after_loads,
         )
         self._events = EventLog()
         self._stop = threading.Event()
@@ -119,10 +121,21 @@ class Evictor:
         return accepted, self._send(actions, keep=NodeId(node_id))
 
     def lookup(
-        self, namespace: Namespace, keys: list[ChunkKey], holder: str, lease_ttl_s: float
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        lease_ttl_s: float,
+        node_id: str | None = None,
     ) -> list[LookupAnswer]:
+        """``node_id``: the asking engine's node, so a replica there is named first."""
         answers, actions = self._index.lookup(
-            namespace, keys, holder, time.monotonic(), lease_ttl_s
+            namespace,
+            keys,
+            holder,
+            time.monotonic(),
+            lease_ttl_s,
+            NodeId(node_id) if node_id else None,
         )
         self._send(actions)
         return answers
@@ -144,10 +157,24 @@ class Evictor:
         self._index.extend_leases(namespace, keys, holder, time.monotonic(), ttl_s)
 
     def release(
-        self, namespace: Namespace, keys: list[ChunkKey], holder: str, loaded: int = 0
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        loaded: int = 0,
+        node_id: str | None = None,
     ) -> None:
+        """``loaded``: the keys were loaded (into an engine on ``node_id``), not given up."""
         self._index.release(namespace, keys, holder)
         self._index.record_loaded(loaded)
+        if loaded and node_id:
+            self._send(self._index.record_loads(namespace, keys, NodeId(node_id)))
+
+    def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> None:
+        """A NodeStore received replica shards (``done``) or could not (``failed``)."""
+        node = NodeId(node_id)
+        self._events.record(node, TierName.CPU, False, _ids(done))
+        self._send(self._index.replicated(node, _ids(done), _ids(failed)))
 
     def report_failed_stores(self, n_jobs: int) -> None:
         """A worker lost store jobs (vLLM has no failure path, so only this counts them)."""

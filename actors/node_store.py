@@ -54,6 +54,16 @@ class EvictorPort(Protocol):
 
     def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None: ...
 
+    def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
+
+
+class PeerPort(Protocol):
+    """How a NodeStore hands replica shards to another node's NodeStore: one-way."""
+
+    def send_replicas(
+        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
+    ) -> None: ...
+
 
 @dataclass
 class NodeStoreStats:
@@ -65,6 +75,8 @@ class NodeStoreStats:
     dropped_shards: int = 0
     demoted_shards: int = 0
     promoted_shards: int = 0
+    replicas_sent: int = 0  # shards pushed to nodes that kept loading them
+    replicas_received: int = 0
     failed_demotions: int = 0
     corrupt_on_store: int = 0
     corrupt_before_hit: int = 0
@@ -90,6 +102,7 @@ class NodeStoreCore:
     # Runs actions later (the actor queues them to itself, after the store is
     # acknowledged, so write-through never delays a store); default: right away.
     defer: Callable[[NodeActions], None] | None = None
+    peers: PeerPort | None = None  # None: replicas cannot be pushed (reported failed)
     stats: NodeStoreStats = field(default_factory=NodeStoreStats)
 
     def __post_init__(self) -> None:
@@ -171,7 +184,7 @@ class NodeStoreCore:
 
     # ---- the Evictor's decisions ---------------------------------------------------------
     def apply(self, actions: NodeActions) -> None:
-        """Drop, demote, promote, persist: each step makes the room the next one needs."""
+        """Drop, demote, promote, persist, push: each step makes the room the next one needs."""
         self.drop(actions.drop)
         lost = [s for s in map(_shard_id, actions.demote) if not self._demote(s)]
         done, failed = [], []
@@ -182,6 +195,7 @@ class NodeStoreCore:
             self.evictor.forget(self.node_id, lost)
         if done or failed:
             self.evictor.promoted(self.node_id, done, failed)
+        self._push(actions.push)
 
     def drop(self, shard_ids: list[ShardId]) -> int:
         freed = 0
@@ -245,6 +259,69 @@ class NodeStoreCore:
             return False
         self.stats.promoted_shards += 1
         return True
+
+    # ---- replicas ----------------------------------------------------------------------
+    def _push(self, pushes: list[tuple[ShardId, NodeId]]) -> None:
+        """Send each shard (verified first: a bad one is never spread) to its node."""
+        by_node: dict[NodeId, list[ShardId]] = {}
+        for shard_id, node in pushes:
+            by_node.setdefault(NodeId(node), []).append(_shard_id(shard_id))
+        for node, shard_ids in by_node.items():
+            sent: list[tuple[ShardId, StoredShard]] = []
+            failed: list[ShardId] = []
+            for shard_id in shard_ids:
+                shard = self._readable(shard_id)
+                if shard is None or self.peers is None:
+                    failed.append(shard_id)
+                else:
+                    sent.append((shard_id, shard))
+            if sent:
+                assert self.peers is not None
+                buffer = np.concatenate([s.data for _, s in sent])
+                self.peers.send_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
+                self.stats.replicas_sent += len(sent)
+            if failed:
+                self.evictor.replicated(node, [], failed)
+
+    def _readable(self, shard_id: ShardId) -> StoredShard | None:
+        """The memory or disk copy, if it passes its checksum; a bad one is forgotten."""
+        try:
+            if shard_id in self.cpu:
+                shard = self.cpu.get(shard_id)
+                if digest(shard.data) != shard.meta.digest:
+                    raise ChunkCorruptError(f"chunk {shard_id.key.hex()}: checksum mismatch")
+                return shard
+            if self.disk is not None and shard_id in self.disk:
+                return self.disk.get(shard_id)  # verifies
+        except ChunkCorruptError:
+            logger.warning("not replicating corrupt %s", shard_id.key.hex(), exc_info=True)
+            self.stats.corrupt_before_hit += 1
+            self.drop([shard_id])
+            self.evictor.forget(self.node_id, [shard_id])
+        return None
+
+    def accept_replicas(self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray) -> None:
+        """Keep replica shards another node pushed, verified; tell the Evictor which."""
+        done: list[ShardId] = []
+        failed: list[ShardId] = []
+        offset = 0
+        for shard_id, meta in shards:
+            shard_id = _shard_id(shard_id)
+            data = np.array(buffer[offset : offset + meta.nbytes], copy=True)
+            offset += meta.nbytes
+            if data.nbytes != meta.nbytes or digest(data) != meta.digest:
+                self.stats.corrupt_on_store += 1
+                failed.append(shard_id)
+                continue
+            try:
+                self.cpu.put(shard_id, StoredShard(meta, data))
+            except TierFullError:
+                logger.warning("no CPU room for replica %s", shard_id.key.hex(), exc_info=True)
+                failed.append(shard_id)
+                continue
+            self.stats.replicas_received += 1
+            done.append(shard_id)
+        self.evictor.replicated(self.node_id, done, failed)
 
     # ---- loads -------------------------------------------------------------------------
     def load(

@@ -8,8 +8,10 @@ import os
 from pathlib import Path
 from typing import IO
 
+import numpy as np
 import ray
 
+from actors.names import node_store_name
 from actors.node_store import NodeStoreCore, ShardEntry
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
@@ -44,6 +46,28 @@ class RayEvictorPort:
 
     def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         self._evictor.report_corrupt_after_hit.remote(node, shard_ids)
+
+    def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        self._evictor.replicated.remote(node, done, failed)
+
+
+class RayPeers:
+    """Other nodes' NodeStores seen from this one. A push is one-way: the receiver pulls
+    the bytes from this node's object store, so two NodeStores pushing to each other
+    never wait on one another."""
+
+    def __init__(self, namespace: str) -> None:
+        self._namespace = namespace
+
+    def send_replicas(
+        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
+    ) -> None:
+        try:
+            store = ray.get_actor(node_store_name(node), namespace=self._namespace)
+        except ValueError:
+            logger.warning("no NodeStore on node %s; replicas not sent", node)
+            return  # the node is gone: the Evictor forgets its replicas with it
+        store.accept_replicas.remote(shards, [ray.put(buffer)])
 
 
 def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
@@ -83,6 +107,7 @@ class NodeStore:
             disk,
             RayEvictorPort(evictor),
             defer=lambda actions: me.apply.remote(actions),
+            peers=RayPeers(cfg.namespace),
         )
         recovered = self._core.register_inventory()
         if recovered:
@@ -119,6 +144,11 @@ class NodeStore:
 
     def apply(self, actions: NodeActions) -> None:
         self._core.apply(actions)
+
+    def accept_replicas(
+        self, shards: list[tuple[ShardId, ShardMeta]], buffer_ref: list[ray.ObjectRef]
+    ) -> None:
+        self._core.accept_replicas(shards, ray.get(buffer_ref[0]))
 
     def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()

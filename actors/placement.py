@@ -5,14 +5,11 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from actors.names import EVICTOR_NAME, node_store_name
 from actors.node_store_actor import NodeStore
 from tierstore.config import TierStoreConfig
 
-EVICTOR_NAME = "tierstore-evictor"
-
-
-def node_store_name(node_id: str) -> str:
-    return f"tierstore-nodestore-{node_id}"
+__all__ = ["EVICTOR_NAME", "alive_node_ids", "node_store_name", "place_node_store"]
 
 
 def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandle:

@@ -109,7 +109,8 @@ def format_status(status: dict[str, Any]) -> str:
         f"indexed {totals['indexed_chunks']} chunks"
     )
     lines.append(
-        f"evicted {totals['evicted_chunks']}, demoted {totals['demoted_shards']}, skipped "
+        f"evicted {totals['evicted_chunks']}, demoted {totals['demoted_shards']}, copied to "
+        f"a hot chunk's loading node {totals['replicated_chunks']}, skipped "
         f"stores {totals['skipped_stores']}, failed stores {totals['failed_stores']}, corrupt "
         f"{totals['corrupt_before_hit']} before HIT (became misses) / "
         f"{totals['corrupt_after_hit']} after HIT"
@@ -152,7 +153,9 @@ def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
         value = getattr(args, field.name, None)
         if field.name in _CLUSTER_KEYS or value is None:
             continue
-        if field.type in ("float", float):
+        if field.type in ("int", int) and value.isdigit():
+            value = int(value)  # other forms ("8GiB") are parsed by the config
+        elif field.type in ("float", float):
             try:
                 value = float(value)
             except ValueError:

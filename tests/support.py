@@ -1,11 +1,12 @@
-"""What several test folders share: Ray's fast failure detection, free ports, polling."""
+"""What several test folders share: simulated clusters with Ray's fast failure detection,
+free ports, polling."""
 
 from __future__ import annotations
 
 import socket
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -17,6 +18,21 @@ FAST_HEALTH_CHECKS = {
     "health_check_failure_threshold": 3,
     "health_check_initial_delay_ms": 0,
 }
+
+
+def simulated_cluster(n_nodes: int, namespace: str, head_cpus: int = 0) -> tuple[Any, list[Any]]:
+    """A head and ``n_nodes`` raylets of one CPU each on this machine (``ray.cluster_utils``),
+    with fast failure detection; this process joins it as the driver."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": head_cpus, "_system_config": FAST_HEALTH_CHECKS},
+    )
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(n_nodes)]
+    ray.init(address=cluster.address, namespace=namespace, log_to_driver=False)
+    return cluster, nodes
 
 
 def free_port() -> int:

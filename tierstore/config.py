@@ -108,6 +108,10 @@ class TierStoreConfig:
     cpu_high_watermark: float = 0.95
     # ...down to this fraction, so stores keep finding room without waiting.
     cpu_low_watermark: float = 0.85
+    # A node that loaded a chunk from another node this many times gets a copy of it in
+    # its own CPU tier, if that fits below cpu_low_watermark (a copy never evicts
+    # anything). Later loads there are local, and survive the holder's loss. 0 = never.
+    replicate_after_loads: int = 2
 
     def __post_init__(self) -> None:
         if isinstance(self.cpu_bytes_per_node, bool) or not isinstance(
@@ -165,6 +169,15 @@ class TierStoreConfig:
             raise ConfigError(
                 f"cpu_low_watermark: {self.cpu_low_watermark!r} is above cpu_high_watermark "
                 f"{self.cpu_high_watermark!r}"
+            )
+        if (
+            isinstance(self.replicate_after_loads, bool)
+            or not isinstance(self.replicate_after_loads, int)
+            or self.replicate_after_loads < 0
+        ):
+            raise ConfigError(
+                "replicate_after_loads: expected a number of loads >= 0 (0 = never), got "
+                f"{self.replicate_after_loads!r}"
             )
         for key in ("lease_ttl_s", "transfer_timeout_s"):
             value = getattr(self, key)

@@ -5,7 +5,10 @@ Each side is an actor pinned to its node, running a real :class:`TierStoreWorker
 repeat moves fresh bytes: the NodeStore puts a new object per load, and the baseline
 gets a new object per repeat (a second get of one object would be served from node B's
 own copy). Baselines: ``ray_get`` (an object already in node A's store, pulled to B) and
-``ray_put_get`` (A puts, B pulls: what a tierstore load also pays). Run by hand it
+``ray_put_get`` (A puts, B pulls: what a tierstore load also pays). Then B reports its
+loads as an engine's manager does, the Evictor copies the now hot chunk to B
+(``replicate_after_loads``), and the same load is timed again from B's own copy. Run by
+hand it
 simulates two nodes with ``ray.cluster_utils``; under ``ray job submit`` on a cluster of
 two or more nodes it uses two real ones.
 """
@@ -24,7 +27,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.bootstrap import ensure_actors, shutdown_actors
+from actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
 from deploy.bench import plots
 from deploy.bench.dataplane import PageJobs
 from tierstore.config import TierStoreConfig
@@ -103,6 +106,8 @@ def bench_size(cfg: TierStoreConfig, node_a: str, node_b: str, size: int) -> dic
     load_s = ray.get(b.load_s.remote(key, node_a))
     get_s = statistics.median(ray.get(b.get_s.remote(a.put.remote())) for _ in range(_REPEATS))
     put_get_s = statistics.median(ray.get(b.put_get_s.remote(a)) for _ in range(_REPEATS))
+    copy_ready_s = _make_hot(cfg, key, node_b)
+    local_s = ray.get(b.load_s.remote(key, node_b))
     ray.get([a.shutdown.remote(), b.shutdown.remote()])
     for handle in (a, b):
         ray.kill(handle)
@@ -113,10 +118,30 @@ def bench_size(cfg: TierStoreConfig, node_a: str, node_b: str, size: int) -> dic
             "tierstore_load": gbps(load_s),
             "ray_get": gbps(get_s),
             "ray_put_get": gbps(put_get_s),
+            "tierstore_load_local_copy": gbps(local_s),
         },
         "load_vs_ray_get": get_s / load_s,
         "load_vs_ray_put_get": put_get_s / load_s,
+        "local_copy_vs_remote_load": load_s / local_s,
+        "copy_ready_s": copy_ready_s,
     }
+
+
+def _make_hot(cfg: TierStoreConfig, key: bytes, node_b: str) -> float:
+    """Report B's loads as its engine's manager would; seconds until lookups from B name
+    B's own copy."""
+    evictor = get_or_create_evictor(cfg)
+    chunk = ChunkKey(key)
+    started = time.perf_counter()
+    for _ in range(cfg.replicate_after_loads):
+        ray.get(evictor.release.remote(NS, [chunk], "bench", 1, node_b))
+    while True:
+        ((state, where),) = ray.get(evictor.lookup.remote(NS, [chunk], "bench", 1.0, node_b))
+        if where == {0: node_b}:
+            return time.perf_counter() - started
+        if time.perf_counter() - started > 60:
+            raise TimeoutError(f"no copy of a hot chunk on node B after 60 s ({state})")
+        time.sleep(0.002)
 
 
 @contextmanager
@@ -159,7 +184,7 @@ def run(args: Any) -> dict[str, Any]:
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
     sizes = results["sizes"]
-    names = ["tierstore_load", "ray_put_get", "ray_get"]
+    names = ["tierstore_load", "tierstore_load_local_copy", "ray_put_get", "ray_get"]
     return [
         plots.bars(
             out / "crossnode.png",

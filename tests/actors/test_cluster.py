@@ -10,7 +10,7 @@ from ray.cluster_utils import Cluster
 
 from actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
 from actors.placement import node_store_name
-from tests.support import FAST_HEALTH_CHECKS, wait_for
+from tests.support import simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace
@@ -21,12 +21,7 @@ NS = Namespace("c1c1")
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "_system_config": FAST_HEALTH_CHECKS},
-    )
-    cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    cluster, _ = simulated_cluster(1, NAMESPACE, head_cpus=1)
     yield cluster
     shutdown_actors(NAMESPACE)
     ray.shutdown()

@@ -32,7 +32,7 @@ from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 
 NS = Namespace("c0ffee")
-NODES = [NodeId("n0"), NodeId("n1")]
+NODES = [NodeId("n0"), NodeId("n1"), NodeId("n2")]  # stores go to n0 and n1
 CHAIN = 4  # boundaries i and i+1 are linked unless i+1 starts a new chain
 GROUPS = 2
 
@@ -44,6 +44,7 @@ class LocalEvictor:
         self.index = index
         self.now = 0.0
         self.cores: dict[NodeId, NodeStoreCore] = {}
+        self.started = 0
 
     def deliver(self, actions: Actions, skip: NodeId | None = None) -> None:
         for node, node_actions in actions.items():
@@ -69,6 +70,21 @@ class LocalEvictor:
     def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         self.deliver(self.index.report_corrupt_after_hit(shard_ids))
 
+    def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        self.deliver(self.index.replicated(node, done, failed))
+
+    # The PeerPort too: replica pushes reach the other core at once.
+    def send_replicas(self, node: NodeId, shards, buffer) -> None:  # type: ignore[no-untyped-def]
+        if node in self.cores:
+            self.cores[node].accept_replicas(shards, buffer)
+
+    def start_node(self, node: NodeId, root: Path, cpu_bytes: int, disk_bytes: int) -> None:
+        """A node with empty tiers (again, after a loss: the old files went with it)."""
+        self.index.register_node(node, cpu_bytes, disk_bytes)
+        self.started += 1  # a fresh directory each time
+        disk = DiskTier(root / f"{node}-{self.started}", disk_bytes) if disk_bytes else None
+        self.cores[node] = NodeStoreCore(node, MemoryTier(cpu_bytes), disk, self, peers=self)
+
 
 def key(boundary: int, group: int) -> ChunkKey:
     return ChunkKey(boundary.to_bytes(8, "big") + group.to_bytes(4, "big"))
@@ -84,8 +100,12 @@ ops = st.lists(
         st.tuples(st.just("lookup"), st.integers(0, 3), st.integers(0, 11), st.just(0)),
         st.tuples(st.just("release"), st.integers(0, 3), st.just(0), st.just(0)),
         st.tuples(st.just("tick"), st.integers(1, 20), st.just(0), st.just(0)),
+        # an engine on node ``a`` loads boundary ``b`` (a hot one gets a replica there);
+        # node 2 stores nothing of its own, so replicas find room there
+        st.tuples(st.just("load"), st.integers(0, 2), st.integers(0, 11), st.just(0)),
+        st.tuples(st.just("lose"), st.integers(0, 2), st.just(0), st.just(0)),
     ),
-    max_size=50,
+    max_size=80,
 )
 
 
@@ -94,16 +114,21 @@ ops = st.lists(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(ops=ops, policy=st.sampled_from(["lru", "arc"]), with_disk=st.booleans())
-def test_invariants_hold_for_any_operation_sequence(ops, policy: str, with_disk: bool) -> None:
+@given(
+    ops=ops,
+    policy=st.sampled_from(["lru", "arc"]),
+    with_disk=st.booleans(),
+    replicate_after=st.sampled_from([0, 1, 2]),
+)
+def test_invariants_hold_for_any_operation_sequence(
+    ops, policy: str, with_disk: bool, replicate_after: int
+) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        index = ChunkIndex(policy, Watermarks(0.9, 0.7))
+        index = ChunkIndex(policy, Watermarks(0.9, 0.7), replicate_after_loads=replicate_after)
         evictor = LocalEvictor(index)
         disk_bytes = 400 if with_disk else 0
         for node in NODES:
-            index.register_node(node, 300, disk_bytes)
-            disk = DiskTier(Path(tmp) / node, disk_bytes) if with_disk else None
-            evictor.cores[node] = NodeStoreCore(node, MemoryTier(300), disk, evictor)
+            evictor.start_node(node, Path(tmp), 300, disk_bytes)
         leases: dict[tuple[str, ChunkKey], float] = {}  # (holder, key) -> expiry, as granted
         previous_units: dict[UnitId, tuple[set[UnitId], set[UnitId]]] = {}
         previous: set[ChunkKey] = set()
@@ -143,6 +168,32 @@ def test_invariants_hold_for_any_operation_sequence(ops, policy: str, with_disk:
                 holder = f"h{a}"
                 index.release_holder(holder)
                 leases = {hk: t for hk, t in leases.items() if hk[0] != holder}
+            elif op == "load":
+                # Mostly a boundary that is resident (any one would rarely be).
+                held = sorted({sid.key[:8] for n in NODES for sid, _ in index.shards_on(n)})
+                if held:
+                    b = int.from_bytes(held[b % len(held)], "big")
+                keys = [key(b, g) for g in range(GROUPS)]
+                answers, actions = index.lookup(NS, keys, "loader", evictor.now, 10.0, NODES[a])
+                evictor.deliver(actions)
+                hits = [
+                    k for k, ans in zip(keys, answers, strict=True) if ans.state is LookupState.HIT
+                ]
+                for k, answer in zip(keys, answers, strict=True):
+                    if answer.state is LookupState.HIT:  # the bytes are where it says
+                        (node,) = set(answer.where.values())
+                        assert evictor.cores[node].load(NS, 0, [k])[0].nbytes > 0
+                index.release(NS, keys, "loader")
+                evictor.deliver(index.record_loads(NS, hits, NODES[a]))
+            elif op == "lose":
+                lost = NODES[a]
+                del evictor.cores[lost]
+                evictor.deliver(index.forget_node(lost))
+                evictor.start_node(lost, Path(tmp), 300, disk_bytes)
+                # Leases of chunks that went with the node went with them.
+                resident = {sid.key for n in NODES for sid, _ in index.shards_on(n)}
+                leases = {hk: t for hk, t in leases.items() if hk[1] in resident}
+                previous_units = {}  # a forced drop may take a parent and keep a child
             else:
                 evictor.now += a
 

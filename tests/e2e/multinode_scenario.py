@@ -4,11 +4,13 @@ Run by ``test_multinode.py`` as ``python -m tests.e2e.multinode_scenario MODEL O
 in its own process: it is the driver of its own ``ray.cluster_utils.Cluster`` (the test
 session is already a driver of another cluster, and a process joins only one).
 
-1. Engine A (an actor pinned to node A) computes PROMPT and stores it on node A.
+1. Engine A (an actor pinned to node A) computes PROMPT and HOT and stores them on node A.
 2. Engine A is killed; engine B, on node B, runs PROMPT: its prefix must come from node
-   A's NodeStore, through the object store.
+   A's NodeStore, through the object store. It runs HOT twice: HOT is hot now, and node
+   B gets its own copy, which serves B's third run of HOT.
 3. Node A is removed while engine B runs; once the Evictor has forgotten node A, engine B
-   runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B).
+   runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B). HOT
+   hits at once: its copy on B outlived A.
 4. The Evictor is killed (Ray restarts it) and engine B serves PROMPT at once, while the
    index is rebuilt; once it is, PROMPT hits again.
 """
@@ -22,17 +24,17 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.cluster_utils import Cluster
 
 from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor
 from deploy.cli import collect_status
 from deploy.engine_actor import start_engine_on
 from deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
-from tests.support import FAST_HEALTH_CHECKS
+from tests.support import simulated_cluster
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-multinode"
 PROMPT = random_prompt(1000, seed=11)
+HOT = random_prompt(1000, seed=12)
 _WAIT_TIMEOUT_S = 60.0
 
 
@@ -58,13 +60,7 @@ def _wait_for(check: Callable[[dict[str, Any]], bool], what: str) -> float:
 
 
 def main(model: str, out_path: str) -> None:
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "_system_config": FAST_HEALTH_CHECKS},
-    )
-    node_a = cluster.add_node(num_cpus=1)
-    node_b = cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    cluster, (node_a, node_b) = simulated_cluster(2, NAMESPACE)
     facts: dict[str, Any] = {"node_a": node_a.node_id, "node_b": node_b.node_id}
     try:
         cfg = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE)
@@ -74,7 +70,7 @@ def main(model: str, out_path: str) -> None:
 
         engine_a = start_engine_on(node_a.node_id, spec)
         facts["engine_a_node"] = ray.get(engine_a.node_id.remote())
-        facts["a"] = ray.get(engine_a.run_pass.remote([PROMPT]))["requests"][0]
+        facts["a"], facts["a_hot"] = ray.get(engine_a.run_pass.remote([PROMPT, HOT]))["requests"]
         ray.kill(engine_a)  # the chunks belong to node A's NodeStore, not to the engine
         facts["node_a_before"] = _node_store_stats(node_a.node_id)
 
@@ -84,6 +80,20 @@ def main(model: str, out_path: str) -> None:
         facts["node_a_after"] = _node_store_stats(node_a.node_id)
         facts["node_b_after"] = _node_store_stats(node_b.node_id)
 
+        hot_runs = []
+        for _ in range(cfg.replicate_after_loads):
+            ray.get(engine_b.reset_prefix_cache.remote())
+            hot_runs.append(ray.get(engine_b.run_pass.remote([HOT]))["requests"][0])
+        facts["b_hot_remote"] = hot_runs
+        hot_chunks = hot_runs[-1]["num_cached_tokens"] // spec.block_size
+        facts["replicate_s"] = _wait_for(
+            lambda s: s["totals"]["replicated_chunks"] >= hot_chunks, "HOT's copy on node B"
+        )
+        facts["node_b_before_hot"] = _node_store_stats(node_b.node_id)
+        ray.get(engine_b.reset_prefix_cache.remote())
+        facts["b_hot_local"] = ray.get(engine_b.run_pass.remote([HOT]))["requests"][0]
+        facts["node_b_after_hot"] = _node_store_stats(node_b.node_id)
+
         cluster.remove_node(node_a, allow_graceful=False)
         facts["forget_s"] = _wait_for(
             lambda s: node_a.node_id not in s["nodes"], "the Evictor forgets node A"
@@ -91,6 +101,8 @@ def main(model: str, out_path: str) -> None:
         facts["status_nodes"] = [n["node_id"] for n in collect_status(NAMESPACE)["nodes"]]
         ray.get(engine_b.reset_prefix_cache.remote())
         facts["b_after_loss"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
+        ray.get(engine_b.reset_prefix_cache.remote())
+        facts["b_hot_after_loss"] = ray.get(engine_b.run_pass.remote([HOT]))["requests"][0]
         ray.get(engine_b.reset_prefix_cache.remote())
         facts["b_again"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
         facts["node_b_end"] = _node_store_stats(node_b.node_id)

@@ -81,6 +81,29 @@ def test_an_engine_on_another_node_loads_what_the_first_stored(multinode: dict[s
     assert facts["node_b_after"]["cpu"]["chunks"] == 0
 
 
+def test_a_chunk_node_b_keeps_loading_gets_a_copy_on_b_that_outlives_node_a(
+    multinode: dict[str, Any],
+) -> None:
+    facts = multinode
+    expected = facts["a_hot"]["tokens"]
+    # Loaded from node A twice (replicate_after_loads = 2) ...
+    for run in facts["b_hot_remote"]:
+        assert run["num_cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
+        assert run["tokens"] == expected
+    # ... then from node B's own copy: B's NodeStore served every chunk of the third run.
+    local = facts["b_hot_local"]
+    assert local["num_cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
+    assert local["tokens"] == expected
+    assert max_logprob_diff(local, facts["a_hot"]) <= FP32_LOGPROB_TOL
+    before, after = facts["node_b_before_hot"]["stats"], facts["node_b_after_hot"]["stats"]
+    assert after["replicas_received"] >= local["num_cached_tokens"] // _BLOCK
+    assert after["loaded_shards"] - before["loaded_shards"] == local["num_cached_tokens"] // _BLOCK
+    # Node A is gone, HOT is not: it hits from B, with the same output.
+    survived = facts["b_hot_after_loss"]
+    assert survived["num_cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
+    assert survived["tokens"] == expected
+
+
 def test_losing_the_storing_node_turns_hits_into_correct_recomputes(
     multinode: dict[str, Any],
 ) -> None:

@@ -57,6 +57,9 @@ def test_vllm_keys_are_accepted() -> None:
         ("lease_ttl_s", "soon"),
         ("transfer_timeout_s", -1),
         ("ray_address", ""),
+        ("replicate_after_loads", -1),
+        ("replicate_after_loads", True),
+        ("replicate_after_loads", "twice"),
     ],
 )
 def test_bad_values_name_the_key(key: str, value: object) -> None:

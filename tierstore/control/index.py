@@ -15,16 +15,21 @@ Vocabulary:
 - a unit's *parents* are the units of the previous chunk of each of its chains. A unit
   is dropped only when no resident unit names it as parent (tail first), and demoted
   from CPU only when no child still has a CPU shard.
+- a *replica* is a second copy of a whole chunk (every rank) in the CPU tier of a node
+  that kept loading it from elsewhere. It is a cache: outside the tree rules, the first
+  thing evicted on its node, dropped with its chunk, and made the chunk's own copy when
+  the original holder is lost.
 
 Decisions are returned as :class:`NodeActions` for the NodeStores to carry out, in the
-order drop, demote, promote, persist, so a promotion always finds the room made for it.
+order drop, demote, promote, persist, push, so a promotion always finds the room made
+for it.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -37,6 +42,7 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, bound
 logger = logging.getLogger(__name__)
 
 _COMPACT_MIN = 1024  # a candidate heap is never compacted below this many entries
+_REMOTE_LOADS_MAX = 1 << 16  # (chunk, node) load counts kept; the oldest are forgotten
 
 
 class ChunkId(NamedTuple):
@@ -77,9 +83,11 @@ class NodeActions:
     demote: list[ShardId] = field(default_factory=list)  # to disk (write if needed), free memory
     promote: list[ShardId] = field(default_factory=list)  # read the disk copy into memory
     persist: list[ShardId] = field(default_factory=list)  # write-through: copy memory to disk
+    # Send a copy of a held shard to another node's CPU tier (a replica of a hot chunk).
+    push: list[tuple[ShardId, NodeId]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.drop or self.demote or self.promote or self.persist)
+        return bool(self.drop or self.demote or self.promote or self.persist or self.push)
 
 
 Actions = dict[NodeId, NodeActions]
@@ -119,6 +127,7 @@ class _Chunk:
     parent: ChunkKey | None
     shards: list[_Shard | None]  # by rank
     present: int = 0
+    replicas: dict[NodeId, int] | None = None  # node -> ranks landed there (ready at all)
 
     @property
     def complete(self) -> bool:
@@ -126,6 +135,10 @@ class _Chunk:
 
     def held(self) -> Iterator[tuple[int, _Shard]]:
         return ((rank, s) for rank, s in enumerate(self.shards) if s is not None)
+
+    def replica_ready(self, node: NodeId) -> bool:
+        """Every rank of this chunk has landed in ``node``'s replica."""
+        return (self.replicas or {}).get(node) == self.world_size
 
 
 @dataclass(slots=True)
@@ -175,6 +188,7 @@ class IndexStats:
     demoted_shards: int = 0
     promoted_shards: int = 0
     skipped_stores: int = 0
+    replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore
     corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
     corrupt_after_hit: int = 0  # failed verification on load: the engine was stopped
@@ -202,9 +216,17 @@ class ChunkIndex:
     store that finds only protected units left is skipped without rescanning them.
     """
 
-    def __init__(self, policy: str = "lru", watermarks: Watermarks | None = None) -> None:
+    def __init__(
+        self,
+        policy: str = "lru",
+        watermarks: Watermarks | None = None,
+        replicate_after_loads: int = 0,
+    ) -> None:
         self._policy = POLICIES.get(policy)()
         self._watermarks = watermarks or Watermarks()
+        self._replicate_after = replicate_after_loads
+        self._replicas_on: dict[NodeId, OrderedDict[ChunkId, None]] = defaultdict(OrderedDict)
+        self._remote_loads: OrderedDict[tuple[ChunkId, NodeId], int] = OrderedDict()
         self._chunks: dict[ChunkId, _Chunk] = {}
         self._units: dict[UnitId, _Unit] = {}
         self._orphans: dict[UnitId, set[UnitId]] = defaultdict(set)  # absent parent -> children
@@ -275,12 +297,19 @@ class ChunkIndex:
         return accepted, dict(actions)
 
     def forget_node(self, node: NodeId) -> Actions:
-        """A node left: its chunks are incomplete now, so drop them everywhere."""
+        """A node left: its replicas go; a chunk it held lives on in a replica elsewhere,
+        or is incomplete now, and its unit is dropped everywhere."""
         actions: Actions = defaultdict(NodeActions)
         for queue_key in [k for k in self._queues if k[0] == node]:
             del self._queues[queue_key]
+        for cid in self._replicas_on.pop(node, {}):
+            chunk = self._chunks.get(cid)
+            if chunk is not None and chunk.replicas is not None:
+                chunk.replicas.pop(node, None)
+                chunk.replicas = chunk.replicas or None
+        held = self._node_units.pop(node, set())
         # Units about to go need not be queued as their children leave first.
-        self._dying = self._node_units.pop(node, set())
+        self._dying = {uid for uid in held if not self._rescue(uid, node, actions)}
         try:
             for uid in self._dying:
                 if uid in self._units:
@@ -290,6 +319,52 @@ class ChunkIndex:
         self._nodes.pop(node, None)
         actions.pop(node, None)
         return dict(actions)
+
+    def _rescue(self, uid: UnitId, lost: NodeId, actions: Actions) -> bool:
+        """Keep ``uid`` if each of its chunks held on ``lost`` has a replica elsewhere: the
+        replica becomes the chunk's own copy. False: the unit must go."""
+        unit = self._units.get(uid)
+        if unit is None:
+            return True  # already gone
+        plan = []
+        for chunk in unit.chunks:
+            if not any(s.node == lost for _, s in chunk.held()):
+                continue
+            ready = [n for n in chunk.replicas or () if chunk.replica_ready(n)]
+            if not ready:
+                return False
+            plan.append((chunk, ready[0]))
+        for chunk, target in plan:
+            self._adopt_replica(uid, unit, chunk, target, actions)
+        return True
+
+    def _adopt_replica(
+        self, uid: UnitId, unit: _Unit, chunk: _Chunk, target: NodeId, actions: Actions
+    ) -> None:
+        """Every rank of ``chunk`` is now held by its replica on ``target``, in memory
+        (written through to disk when there is room); other copies are dropped."""
+        cid = ChunkId(uid.namespace, chunk.key)
+        assert chunk.replicas is not None
+        del chunk.replicas[target]
+        chunk.replicas = chunk.replicas or None
+        self._replicas_on[target].pop(cid, None)
+        left: set[NodeId] = set()
+        for rank, shard in list(chunk.held()):
+            for tier in reversed(shard.tiers):  # disk first: nothing is queued on ``lost``
+                self._lose(uid, unit, shard, tier)
+            if shard.node in self._nodes and shard.node != target:
+                actions[shard.node].drop.append(ShardId(uid.namespace, chunk.key, rank))
+                left.add(shard.node)
+            self._account(target, TierName.CPU, shard.nbytes, -1)  # the replica's share...
+            adopted = chunk.shards[rank] = _Shard(target, shard.nbytes)
+            self._gain(uid, unit, adopted, TierName.CPU)  # ...is now the chunk's own
+            if self._fits(target, TierName.DISK, shard.nbytes):
+                self._gain(uid, unit, adopted, TierName.DISK)
+                actions[target].persist.append(ShardId(uid.namespace, chunk.key, rank))
+        self._node_units[target].add(uid)
+        for node in left:
+            if not any(s.node == node for _, _, s in unit.shards()):
+                self._node_units[node].discard(uid)
 
     def nodes(self) -> dict[NodeId, dict[TierName, tuple[int, int, int]]]:
         """node -> tier -> (used bytes, capacity bytes, shards)."""
@@ -602,6 +677,8 @@ class ChunkIndex:
     ) -> bool:
         if self._fits(node, TierName.CPU, nbytes):
             return True
+        if self._evict_replicas(node, lambda: self._fits(node, TierName.CPU, nbytes), now, actions):
+            return True
 
         def free_one(uid: UnitId) -> bool:
             if self._demote(uid, node, protected, now, actions):
@@ -654,6 +731,8 @@ class ChunkIndex:
         if cpu.used_bytes <= self._watermarks.high * cpu.capacity_bytes:
             return
         target = self._watermarks.low * cpu.capacity_bytes
+        if self._evict_replicas(node, lambda: cpu.used_bytes <= target, now, actions):
+            return
         self._walk(
             node,
             TierName.CPU,
@@ -678,6 +757,8 @@ class ChunkIndex:
             self._orphans[uid].add(child)  # re-linked if this boundary comes back
         for chunk in unit.chunks:
             cid = ChunkId(uid.namespace, chunk.key)
+            for replica_node in list(chunk.replicas or ()):
+                self._drop_replica(cid, chunk, replica_node, actions)
             del self._chunks[cid]
             self._leases.pop(cid, None)
             for rank, shard in chunk.held():
@@ -699,10 +780,12 @@ class ChunkIndex:
         holder: str,
         now: float,
         lease_ttl_s: float,
+        node: NodeId | None = None,
     ) -> tuple[list[LookupAnswer], Actions]:
         """Answer each key; a chunk with shards on disk is promoted first (PENDING).
 
-        A HIT and a PENDING are leased to ``holder``, so they stay until loaded.
+        A HIT and a PENDING are leased to ``holder``, so they stay until loaded. A HIT
+        names the asking engine's ``node`` when a replica there holds the whole chunk.
         """
         answers: list[LookupAnswer] = []
         actions: Actions = defaultdict(NodeActions)
@@ -715,6 +798,14 @@ class ChunkIndex:
                 answers.append(LookupAnswer(LookupState.MISS))
                 continue
             uid = UnitId(namespace, boundary_of(key))
+            if node is not None and chunk.replica_ready(node):
+                self._leases[cid][holder] = now + lease_ttl_s
+                self._touch(uid)
+                self._replicas_on[node].move_to_end(cid)
+                self.stats.hits += 1
+                where = dict.fromkeys(range(chunk.world_size), node)
+                answers.append(LookupAnswer(LookupState.HIT, where))
+                continue
             on_disk = [(r, s) for r, s in chunk.held() if not s.cpu]
             if on_disk and not self._promote(uid, chunk, on_disk, protected, now, actions):
                 self.stats.misses += 1
@@ -828,6 +919,93 @@ class ChunkIndex:
     def is_leased(self, namespace: Namespace, key: ChunkKey, now: float) -> bool:
         return self._is_leased(ChunkId(namespace, key), now)
 
+    # ---- replicas of hot chunks ----------------------------------------------------------
+    def record_loads(self, namespace: Namespace, keys: list[ChunkKey], node: NodeId) -> Actions:
+        """``node`` loaded ``keys``. A chunk it loaded from elsewhere ``replicate_after_loads``
+        times is copied into its CPU tier, if that fits below the low watermark: a replica
+        never evicts anything, and one that does not fit is simply not made."""
+        actions: Actions = defaultdict(NodeActions)
+        if not self._replicate_after or node not in self._nodes:
+            return {}
+        for key in keys:
+            cid = ChunkId(namespace, key)
+            chunk = self._chunks.get(cid)
+            if chunk is None or not chunk.complete or self._holds(chunk, node):
+                continue
+            loads = self._remote_loads.pop((cid, node), 0) + 1
+            if loads < self._replicate_after:
+                self._remote_loads[(cid, node)] = loads
+                if len(self._remote_loads) > _REMOTE_LOADS_MAX:
+                    self._remote_loads.popitem(last=False)
+                continue
+            self._start_replica(cid, chunk, node, actions)
+        return dict(actions)
+
+    @staticmethod
+    def _holds(chunk: _Chunk, node: NodeId) -> bool:
+        return node in (chunk.replicas or {}) or any(s.node == node for _, s in chunk.held())
+
+    def _start_replica(self, cid: ChunkId, chunk: _Chunk, node: NodeId, actions: Actions) -> None:
+        """Reserve the room on ``node`` and ask each holder to push its shard there; the
+        replica serves HITs once every rank has landed (:meth:`replicated`)."""
+        if any(s.promoting for _, s in chunk.held()):
+            return  # asked again on a later load
+        nbytes = sum(s.nbytes for _, s in chunk.held())
+        cpu = self._nodes[node][TierName.CPU]
+        if cpu.used_bytes + nbytes > self._watermarks.low * cpu.capacity_bytes:
+            return
+        if chunk.replicas is None:
+            chunk.replicas = {}
+        chunk.replicas[node] = 0
+        self._replicas_on[node][cid] = None
+        for rank, shard in chunk.held():
+            self._account(node, TierName.CPU, shard.nbytes, +1)
+            actions[shard.node].push.append((ShardId(cid.namespace, chunk.key, rank), node))
+
+    def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> Actions:
+        """``node`` reports replica shards it now holds, or could not get."""
+        actions: Actions = defaultdict(NodeActions)
+        for shard_id in done:
+            cid = ChunkId(shard_id.namespace, shard_id.key)
+            chunk = self._chunks.get(cid)
+            if chunk is None or node not in (chunk.replicas or {}):
+                actions[node].drop.append(shard_id)  # its chunk or replica went meanwhile
+                continue
+            assert chunk.replicas is not None
+            chunk.replicas[node] += 1
+            if chunk.replica_ready(node):
+                self.stats.replicated_chunks += 1
+        for shard_id in failed:
+            cid = ChunkId(shard_id.namespace, shard_id.key)
+            chunk = self._chunks.get(cid)
+            if chunk is not None and node in (chunk.replicas or {}):
+                self._drop_replica(cid, chunk, node, actions)
+        return dict(actions)
+
+    def _drop_replica(self, cid: ChunkId, chunk: _Chunk, node: NodeId, actions: Actions) -> None:
+        assert chunk.replicas is not None
+        del chunk.replicas[node]
+        chunk.replicas = chunk.replicas or None
+        self._replicas_on[node].pop(cid, None)
+        for rank, shard in chunk.held():
+            self._account(node, TierName.CPU, shard.nbytes, -1)
+            actions[node].drop.append(ShardId(cid.namespace, chunk.key, rank))
+
+    def _evict_replicas(
+        self, node: NodeId, done: Callable[[], bool], now: float, actions: Actions
+    ) -> bool:
+        """Drop ``node``'s replicas, least recently used first, until ``done``; those being
+        copied or leased stay."""
+        replicas = self._replicas_on.get(node)
+        for cid in list(replicas or ()):
+            if done():
+                return True
+            chunk = self._chunks[cid]
+            assert chunk.replicas is not None
+            if chunk.replica_ready(node) and not self._is_leased(cid, now):
+                self._drop_replica(cid, chunk, node, actions)
+        return done()
+
     # ---- introspection -------------------------------------------------------------------
     def record_loaded(self, n_chunks: int) -> None:
         self.stats.loaded_chunks += n_chunks
@@ -836,14 +1014,23 @@ class ChunkIndex:
         self.stats.failed_stores += n_jobs
 
     def shards_on(self, node: NodeId) -> set[tuple[ShardId, TierName]]:
-        """Every copy the index believes ``node`` holds."""
-        return {
+        """Every copy the index believes ``node`` holds (replicas once complete)."""
+        held = {
             (ShardId(uid.namespace, chunk.key, rank), tier)
             for uid in self._node_units.get(node, ())
             for chunk, rank, shard in self._units[uid].shards()
             if shard.node == node
             for tier in shard.tiers
         }
+        for cid in self._replicas_on.get(node, ()):
+            chunk = self._chunks[cid]
+            if chunk.replica_ready(node):
+                held |= {(ShardId(*cid, rank), TierName.CPU) for rank, _ in chunk.held()}
+        return held
+
+    def replicas_on(self, node: NodeId) -> set[ChunkId]:
+        """Chunks with a complete replica on ``node``."""
+        return {c for c in self._replicas_on.get(node, ()) if self._chunks[c].replica_ready(node)}
 
     def units(self) -> dict[UnitId, tuple[set[UnitId], set[UnitId]]]:
         """unit -> (parents, children), for tests and status."""

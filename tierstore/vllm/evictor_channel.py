@@ -41,9 +41,12 @@ class EvictorChannel:
         holder: str,
         lease_ttl_s: float,
         on_answers: Callable[[Answers], None],
+        node: str | None = None,
     ) -> None:
+        """``node``: the engine's own node, so the Evictor can name a replica there."""
         misses = [LookupAnswer(LookupState.MISS)] * len(keys)
-        self._queue.put(("lookup", (namespace, keys, holder, lease_ttl_s), on_answers, misses))
+        args = (namespace, keys, holder, lease_ttl_s, node)
+        self._queue.put(("lookup", args, on_answers, misses))
 
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
@@ -51,9 +54,15 @@ class EvictorChannel:
         self._queue.put(("extend_leases", (namespace, keys, holder, ttl_s), None, None))
 
     def release(
-        self, namespace: Namespace, keys: list[ChunkKey], holder: str, loaded: int = 0
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        loaded: int = 0,
+        node: str | None = None,
     ) -> None:
-        self._queue.put(("release", (namespace, keys, holder, loaded), None, None))
+        """``loaded``: the keys were loaded into this engine (on ``node``), not given up."""
+        self._queue.put(("release", (namespace, keys, holder, loaded, node), None, None))
 
     def release_holder(self, holder: str) -> None:
         self._queue.put(("release_holder", (holder,), None, None))

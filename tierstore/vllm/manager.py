@@ -208,6 +208,7 @@ class TierStoreManager(OffloadingManager):
                         lambda answers, r=req_id, k=keys, t=state.unsent_since: self._on_answers(
                             r, k, answers, t
                         ),
+                        node=self._local_node,
                     )
             self._maybe_poll()
 
@@ -323,7 +324,9 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._requests.get(req_context.req_id)
             holder = state.holder if state else f"{self._id}/{req_context.req_id}"
-            self._channel.release(self._namespace, list(keys), holder, loaded=len(keys))
+            self._channel.release(
+                self._namespace, list(keys), holder, loaded=len(keys), node=self._local_node
+            )
             self._observe_job(metrics.LOAD_LATENCY, keys)
             if state is not None:
                 state.loading.difference_update(keys)

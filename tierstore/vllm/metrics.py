@@ -55,6 +55,7 @@ CLUSTER_TOTALS = {
     "promoted_shards": "Shards promoted from disk to CPU before a HIT.",
     "skipped_stores": "Stores refused because only leased or pinned chunks were left.",
     "failed_stores": "Store jobs a worker could not hand to its NodeStore (not kept).",
+    "replicated_chunks": "Hot chunks copied to a node that kept loading them from another.",
     "corrupt_before_hit": "Chunks that failed verification while promoted (became misses).",
     "corrupt_after_hit": "Chunks that failed verification on load (the engine stopped).",
 }

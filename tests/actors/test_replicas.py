@@ -1,0 +1,106 @@
+"""Hot-chunk replicas across simulated nodes (ray.cluster_utils), without an engine.
+
+Node A's NodeStore holds a chunk; an engine on node B (played here by the Evictor calls
+its manager makes) keeps loading it. B gets its own verified copy, HITs asked from B name
+B, and when A is lost the chunk lives on at B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor, shutdown_actors
+from actors.node_store import ShardEntry
+from tests.support import simulated_cluster, wait_for
+from tierstore.config import TierStoreConfig
+from tierstore.control.index import LookupState
+from tierstore.data.checksum import digest
+from tierstore.keys import ChunkKey, Namespace
+
+NAMESPACE = "tierstore-replica-tests"
+NS = Namespace("7e9a")
+KEYS = [ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0") for i in range(3)]
+CHUNK_BYTES = 4096
+_WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[tuple[Cluster, str, str]]:
+    cluster, (node_a, node_b) = simulated_cluster(2, NAMESPACE)
+    yield cluster, node_a, node_b
+    shutdown_actors(NAMESPACE)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def _lookup(evictor: ray.actor.ActorHandle, node: str) -> list[tuple[LookupState, dict]]:
+    answers = ray.get(evictor.lookup.remote(NS, KEYS, f"engine@{node}", 5.0, node))
+    return [(LookupState(state), where) for state, where in answers]
+
+
+def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_the_holder(
+    nodes: tuple[Cluster, object, object],
+) -> None:
+    cluster, node_a, node_b = nodes
+    a, b = node_a.node_id, node_b.node_id  # type: ignore[attr-defined]
+    cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, namespace=NAMESPACE)
+    ensure_actors(cfg)
+    evictor = get_or_create_evictor(cfg)
+    wait_for(
+        lambda: {a, b} <= set(ray.get(evictor.status.remote())["nodes"]),
+        "both nodes registered",
+        _WAIT_S,
+    )
+
+    # Node A holds three chunks (a chain), stored the way a worker on A stores them.
+    payload = np.random.default_rng(0).integers(0, 255, CHUNK_BYTES * len(KEYS), dtype=np.uint8)
+    entries = [
+        ShardEntry(
+            key,
+            i * CHUNK_BYTES,
+            CHUNK_BYTES,
+            digest(payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]),
+            1,
+            KEYS[i - 1] if i else None,
+        )
+        for i, key in enumerate(KEYS)
+    ]
+    store_a = find_node_store(NAMESPACE, a)
+    assert ray.get(store_a.store.remote(NS, 0, 1, entries, [ray.put(payload)])) == len(KEYS)
+
+    # An engine on B loads them twice (replicate_after_loads=2): HITs name A until then.
+    for _ in range(cfg.replicate_after_loads):
+        assert all(s is LookupState.HIT and w == {0: a} for s, w in _lookup(evictor, b))
+        evictor.release.remote(NS, KEYS, f"engine@{b}", loaded=len(KEYS), node_id=b)
+    wait_for(
+        lambda: all(w == {0: b} for _, w in _lookup(evictor, b)),
+        "HITs asked from B naming B's replica",
+        _WAIT_S,
+    )
+    assert all(w == {0: a} for _, w in _lookup(evictor, a))  # A still serves itself
+    store_b = find_node_store(NAMESPACE, b)
+    refs, _ = ray.get(store_b.load.remote(NS, 0, KEYS))
+    assert np.array_equal(ray.get(refs[0]), payload)  # the same bytes, from B
+    status_b = ray.get(store_b.status.remote())
+    assert status_b["stats"]["replicas_received"] == len(KEYS)
+    assert status_b["cpu"]["chunks"] == len(KEYS)
+    totals = ray.get(evictor.status.remote())["totals"]
+    assert totals["replicated_chunks"] == len(KEYS)
+
+    # A is lost: the chunks live on at B, for every node.
+    cluster.remove_node(node_a, allow_graceful=False)
+    wait_for(
+        lambda: a not in ray.get(evictor.status.remote())["nodes"],
+        "node A forgotten",
+        _WAIT_S,
+    )
+    head = ray.get_runtime_context().get_node_id()
+    assert all(s is LookupState.HIT and w == {0: b} for s, w in _lookup(evictor, head))
+    refs, _ = ray.get(store_b.load.remote(NS, 0, KEYS))
+    assert np.array_equal(ray.get(refs[0]), payload)
+    assert ray.get(evictor.status.remote())["chunks"] == len(KEYS)
