@@ -149,3 +149,15 @@ def test_losing_the_replica_node_only_loses_the_replica() -> None:
     assert index.forget_node(B) == {}
     (answer,), _ = index.lookup(NS, [key(0)], "h", 0, 10, B)
     assert answer.where == {0: A}
+
+
+def test_after_an_evictor_restart_one_copy_is_kept_and_the_other_dropped() -> None:
+    """Both nodes offer the shard they hold; the new index keeps one holder per shard."""
+    index = _cluster()
+    held = [(offer(0), CPU)]
+    accepted, actions = index.restore(A, held)
+    assert accepted == [True] and actions == {}
+    accepted, actions = index.restore(B, held)  # B's former replica
+    assert accepted == [False] and actions[B].drop == [sid(0)]
+    (answer,), _ = index.lookup(NS, [key(0)], "h", 0, 10, B)
+    assert answer.where == {0: A}
