@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from tierstore.config import TierStoreConfig, parse_bool, parse_bytes
@@ -117,3 +120,17 @@ def test_disk_keys_parse_and_validate() -> None:
         )
     with pytest.raises(ConfigError, match="disk_fsync"):
         TierStoreConfig.from_extra_config({**BASE, "cpu_bytes_per_node": 1, "disk_fsync": "often"})
+
+
+def test_the_readme_documents_every_key() -> None:
+    """The README's configuration table has a row, with bounds, for every config key."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        cell.strip("` ")
+        for line in section.splitlines()
+        if line.startswith("| `")
+        for cell in line.split("|")[1].split(",")
+    }
+    missing = {f.name for f in dataclasses.fields(TierStoreConfig)} - rows
+    assert not missing, f"README configuration table lacks {sorted(missing)}"
