@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from deploy.cli import main
 
 
@@ -18,3 +20,17 @@ def test_tierstore_bench_disk_quick_writes_json_and_plots(tmp_path: Path) -> Non
     assert results["machine"]["cpus"] >= 1
     for name in ("disk_throughput.png", "disk_promotion.png"):
         assert (out / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_tierstore_bench_crossnode_quick_loads_across_nodes_then_from_the_local_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # two simulated nodes of its own
+    out = tmp_path / "results"
+    assert main(["bench", "crossnode", "--quick", "--out", str(out)]) == 0
+    results = json.loads((out / "crossnode.json").read_text())
+    assert results["nodes"].startswith("simulated")
+    for size in results["sizes"]:  # every load was verified byte for byte by the bench
+        assert all(gbps > 0 for gbps in size["GBps"].values())
+        assert size["copy_ready_s"] > 0
+    assert (out / "crossnode.png").read_bytes().startswith(b"\x89PNG")
