@@ -93,8 +93,17 @@ class Evictor:
             self.forget_node(node_id)
         return {"started": started, "forgotten": gone}
 
-    def register_node(self, node_id: str, cpu_bytes: int, disk_bytes: int = 0) -> None:
-        self._index.register_node(NodeId(node_id), cpu_bytes, disk_bytes)
+    def register_node(
+        self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, fresh: bool = False
+    ) -> None:
+        """``fresh``: a NodeStore process starts on the node. If one ran there before (it
+        died and the reconcile placed a new one), what it held in memory died with it:
+        forget it now, so no lookup promises it; its disk copies are offered again next."""
+        node = NodeId(node_id)
+        if fresh and node in self._index.nodes():
+            logger.warning("NodeStore on node %s restarted; forgetting what it held", node_id)
+            self.forget_node(node_id)
+        self._index.register_node(node, cpu_bytes, disk_bytes)
 
     def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
         shard_offers = [ShardOffer(*o) for o in offers]

@@ -93,7 +93,9 @@ class NodeStore:
         self._node_id = node_id
         self._cpu_bytes, self._disk_bytes = cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node
         ray.get(
-            evictor.register_node.remote(node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node)
+            evictor.register_node.remote(
+                node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node, fresh=True
+            )
         )
         disk = None
         self._lock = None

@@ -7,10 +7,12 @@ import time
 import ray
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import get_or_create_evictor
+from actors.bootstrap import find_node_store, get_or_create_evictor
 from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
+from tests.support import wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
+from tierstore.errors import ClusterUnavailableError
 from tierstore.vllm.transfer_specs import StoreSpec
 
 
@@ -41,3 +43,33 @@ def test_killed_evictor_restarts_and_reindexes_every_chunk(cfg: TierStoreConfig)
     assert states == [LookupState.HIT] * 5, "the restarted Evictor did not rebuild its index"
     assert ray.get(evictor.status.remote())["chunks"] == 5
     _load_spec(cfg, keys)  # and they load
+
+
+def test_a_killed_node_store_is_replaced_and_its_memory_chunks_become_misses(
+    cfg: TierStoreConfig,
+) -> None:
+    """Its memory died with it: lookups must miss (a HIT would fail its load and stop the
+    engine), and the new NodeStore takes stores again."""
+    worker = _worker(cfg, _kv())
+    keys = _keys(3, 0)
+    src = GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[6, 0], block_indices=[0, 0])
+    worker.submit_store(1, src, StoreSpec(NS, tuple(keys)))
+    assert _drain(worker, 1) == [1]
+    assert _lookup(cfg, keys) == [LookupState.HIT] * 3
+    node = ray.get_runtime_context().get_node_id()
+    ray.kill(find_node_store(cfg.namespace, node))
+
+    def replaced() -> bool:  # the Evictor's reconcile (every 2 s) places a new one
+        try:
+            ray.get(find_node_store(cfg.namespace, node).status.remote(), timeout=5)
+            return True
+        except (ClusterUnavailableError, ray.exceptions.RayError):
+            return False
+
+    wait_for(replaced, "a new NodeStore on the node", timeout_s=30)
+    assert _lookup(cfg, keys) == [LookupState.MISS] * 3
+    fresh = _worker(cfg, _kv())  # finds the new NodeStore
+    fresh.submit_store(2, src, StoreSpec(NS, tuple(keys)))
+    assert _drain(fresh, 1) == [2]
+    assert fresh.failed_stores == 0
+    _load_spec(cfg, keys)
