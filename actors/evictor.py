@@ -179,6 +179,12 @@ class Evictor:
         if loaded and node_id:
             self._send(self._index.record_loads(namespace, keys, NodeId(node_id)))
 
+    def locate(
+        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: str
+    ) -> list[NodeId | None]:
+        """Where else a worker can load from, after a load from ``avoid_node`` failed."""
+        return self._index.locate(namespace, keys, rank, NodeId(avoid_node))
+
     def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> None:
         """A NodeStore received replica shards (``done``) or could not (``failed``)."""
         node = NodeId(node_id)

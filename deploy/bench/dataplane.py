@@ -19,19 +19,18 @@ import ray
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
+from actors.bootstrap import get_or_create_evictor
 from deploy.bench import plots
 from deploy.bench.common import ray_session
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
-from tierstore.vllm.worker import TierStoreWorker
+from tierstore.vllm.worker_ports import connect_worker
 
 NS = Namespace("da7a")
 PAGE = 64 * 1024  # bytes of one block's page (one layer)
 _REPEATS = 5
-_TRANSFER_TIMEOUT_S = 120.0  # a worker waiting longer on a NodeStore fails the job
 
 
 def _median_s(run: Callable[[], None]) -> float:
@@ -59,15 +58,7 @@ class PageJobs:
             -128, 127, (2 * self._blocks + 1, PAGE), dtype=torch.int8, generator=generator
         )
         layout = ChunkLayout([self._kv], [[(0, PAGE)]], blocks_per_chunk=self._blocks)
-        node = ray.get_runtime_context().get_node_id()
-        self._worker = TierStoreWorker(
-            layout,
-            0,
-            1,
-            get_or_create_node_store(cfg, node),
-            lambda n: find_node_store(cfg.namespace, n),
-            _TRANSFER_TIMEOUT_S,
-        )
+        self._worker = connect_worker(cfg, layout)
         self._source = self._pages_from(1)
         self._destination = self._pages_from(self._blocks + 1)
         self._job = 0

@@ -83,8 +83,7 @@ def test_chunks_on_disk_survive_a_restart_of_every_actor(disk_cfg: TierStoreConf
     _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 10)
     shutdown_actors(disk_cfg.namespace)  # Evictor and NodeStore gone: the index is lost
 
-    restarted = _worker(disk_cfg, _kv())  # starts fresh actors on the same disk_path
-    ray.get(restarted._local_store.status.remote())
+    _worker(disk_cfg, _kv())  # starts fresh actors on the same disk_path, waits for them
     status = collect_status(disk_cfg.namespace)
     assert status["nodes"][0]["disk"]["chunks"] == 10
     assert status["totals"]["indexed_chunks"] == 10

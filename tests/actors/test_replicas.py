@@ -2,7 +2,8 @@
 
 Node A's NodeStore holds a chunk; an engine on node B (played here by the Evictor calls
 its manager makes) keeps loading it. B gets its own verified copy, HITs asked from B name
-B, and when A is lost the chunk lives on at B.
+B; when A's NodeStore dies a load planned from A is served from B's copy, and when A is
+lost the chunk lives on at B.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor, shutdown_actors
 from actors.node_store import ShardEntry
@@ -20,13 +23,16 @@ from tests.support import simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.data.checksum import digest
-from tierstore.keys import ChunkKey, Namespace
+from tierstore.data.layout import ChunkLayout
+from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.vllm.transfer_specs import LoadSpec
+from tierstore.vllm.worker_ports import connect_worker
 
 NAMESPACE = "tierstore-replica-tests"
 NS = Namespace("7e9a")
 KEYS = [ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0") for i in range(3)]
 CHUNK_BYTES = 4096
-_WAIT_S = 30.0
+_WAIT_S = 60.0  # a replaced NodeStore is a new process: slow on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +97,27 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
     assert status_b["cpu"]["chunks"] == len(KEYS)
     totals = ray.get(evictor.status.remote())["totals"]
     assert totals["replicated_chunks"] == len(KEYS)
+
+    # A's NodeStore dies. A load planned from A before anyone knew (a HIT granted
+    # earlier) is served from B's copy instead of stopping the engine, byte for byte.
+    kv = torch.zeros((len(KEYS) + 1, CHUNK_BYTES), dtype=torch.uint8)
+    worker = connect_worker(cfg, ChunkLayout([kv], [[(0, CHUNK_BYTES)]], blocks_per_chunk=1))
+    ray.kill(store_a)
+    planned = LoadSpec.build(NS, KEYS, [{0: NodeId(a)}] * len(KEYS))
+    blocks = list(range(1, len(KEYS) + 1))
+    worker.submit_load(7, planned, GPULoadStoreSpec(blocks, [len(KEYS)], [0]))
+    worker.wait({7})
+    assert [r.job_id for r in worker.get_finished()] == [7]
+    assert np.array_equal(kv[1:].numpy().reshape(-1), payload)
+    assert worker.relocated_loads == 1
+    worker.shutdown()
+    # The replaced NodeStore on A holds nothing: the Evictor forgot A's copies, and B's
+    # became the chunks' own.
+    wait_for(
+        lambda: all(s is LookupState.HIT and w == {0: b} for s, w in _lookup(evictor, a)),
+        "lookups from A naming B after A's NodeStore restarted",
+        _WAIT_S,
+    )
 
     # A is lost: the chunks live on at B, for every node.
     cluster.remove_node(node_a, allow_graceful=False)

@@ -9,7 +9,7 @@ import ray
 import torch
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
+from actors.bootstrap import find_node_store, get_or_create_evictor
 from deploy.cli import collect_status
 from tests.support import wait_for
 from tierstore.config import TierStoreConfig
@@ -19,6 +19,7 @@ from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
+from tierstore.vllm.worker_ports import connect_worker
 
 NS = Namespace("7e57da7a")
 PAGE_BYTES = (96, 200)  # two groups with different pages, padded rows below
@@ -34,18 +35,7 @@ def _kv() -> list[torch.Tensor]:
 
 def _worker(cfg: TierStoreConfig, kv: list[torch.Tensor]) -> TierStoreWorker:
     layout = ChunkLayout(kv, [[(0, PAGE_BYTES[0])], [(1, PAGE_BYTES[1])]], blocks_per_chunk=2)
-    node = ray.get_runtime_context().get_node_id()
-    store = get_or_create_node_store(cfg, node)
-    evictor = get_or_create_evictor(cfg)
-    return TierStoreWorker(
-        layout,
-        0,
-        1,
-        store,
-        lambda n: find_node_store(cfg.namespace, n),
-        30.0,
-        report_failed_stores=lambda n: evictor.report_failed_stores.remote(n),
-    )
+    return connect_worker(cfg, layout)
 
 
 def _keys(n: int, group: int, start: int = 0) -> list[ChunkKey]:
@@ -170,7 +160,7 @@ def test_store_to_a_dead_node_store_is_skipped_not_fatal(cfg: TierStoreConfig) -
     worker = _worker(cfg, kv)
     keys = _store_job(worker)
     spec = _load_spec(cfg, keys)
-    ray.kill(worker._local_store)
+    ray.kill(find_node_store(cfg.namespace, ray.get_runtime_context().get_node_id()))
     src = GPULoadStoreSpec([6, 7], group_sizes=[2, 0], block_indices=[0, 0])
     worker.submit_store(2, src, StoreSpec(NS, tuple(_keys(1, 0, start=50))))
     assert _drain(worker, 1) == [2]  # reported done: a lost store only costs a recompute

@@ -1006,6 +1006,25 @@ class ChunkIndex:
                 self._drop_replica(cid, chunk, node, actions)
         return done()
 
+    def locate(
+        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid: NodeId
+    ) -> list[NodeId | None]:
+        """Per key, a node other than ``avoid`` holding ``rank``'s shard (a load from
+        ``avoid`` failed): the holder if that is another node, else a complete copy."""
+        found: list[NodeId | None] = []
+        for key in keys:
+            chunk = self._chunks.get(ChunkId(namespace, key))
+            node = None
+            if chunk is not None and 0 <= rank < len(chunk.shards):
+                shard = chunk.shards[rank]
+                if shard is not None and shard.node != avoid and not shard.promoting:
+                    node = shard.node
+                else:
+                    ready = (n for n in chunk.replicas or () if n != avoid)
+                    node = next((n for n in ready if chunk.replica_ready(n)), None)
+            found.append(node)
+        return found
+
     # ---- introspection -------------------------------------------------------------------
     def record_loaded(self, n_chunks: int) -> None:
         self.stats.loaded_chunks += n_chunks

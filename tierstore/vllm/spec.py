@@ -23,19 +23,14 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from actors.bootstrap import (
-    connect,
-    find_node_store,
-    get_or_create_evictor,
-    get_or_create_node_store,
-)
+from actors.bootstrap import connect, get_or_create_evictor
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import Namespace, NodeId, make_namespace
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.metrics import metric_definitions
-from tierstore.vllm.worker import TierStoreWorker
+from tierstore.vllm.worker_ports import connect_worker
 
 logger = logging.getLogger(__name__)
 
@@ -66,20 +61,6 @@ def namespace_for(config: OffloadingConfig) -> Namespace:
             "replicated_layout": config.replicated_layout,
         }
     )
-
-
-class _StoreDirectory:
-    """NodeStore handles by node, looked up once each (a lookup is a GCS round trip)."""
-
-    def __init__(self, namespace: str, local: NodeId, local_store: ray.actor.ActorHandle) -> None:
-        self._namespace = namespace
-        self._handles: dict[NodeId, ray.actor.ActorHandle] = {local: local_store}
-
-    def __call__(self, node: NodeId) -> ray.actor.ActorHandle:
-        handle = self._handles.get(node)
-        if handle is None:
-            handle = self._handles[node] = find_node_store(self._namespace, node)
-        return handle
 
 
 class TierStoreSpec(OffloadingSpec):
@@ -122,25 +103,14 @@ class TierStoreSpec(OffloadingSpec):
             ],
             self.blocks_per_chunk,
         )
-        node_id = ray.get_runtime_context().get_node_id()
-        evictor = get_or_create_evictor(self.store_config)
-        local_store = get_or_create_node_store(self.store_config, node_id)
-        # Start-up only (never in a step): wait until the NodeStore has registered what its
-        # disk tier recovered, so the first lookups already see it.
-        ray.get(local_store.status.remote(), timeout=self.store_config.transfer_timeout_s)
-        namespace = self.store_config.namespace
         logger.info(
-            "tierstore worker rank %d on node %s: chunk bytes per group %s",
+            "tierstore worker rank %d: chunk bytes per group %s",
             self.config.parallel.rank,
-            node_id,
             [g.chunk_bytes for g in layout.groups],
         )
-        return TierStoreWorker(
+        return connect_worker(
+            self.store_config,
             layout,
             rank=self.config.parallel.rank,
             world_size=self.config.parallel.world_size,
-            local_store=local_store,
-            find_store=_StoreDirectory(namespace, NodeId(node_id), local_store),
-            transfer_timeout_s=self.store_config.transfer_timeout_s,
-            report_failed_stores=lambda n: evictor.report_failed_stores.remote(n),
         )

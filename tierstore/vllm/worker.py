@@ -6,9 +6,11 @@ Runtime rules (vLLM's model-runner thread calls every method):
   ends; putting the bytes and the NodeStore's acknowledgement happen on a transfer thread.
 - a store is reported finished only once the NodeStore holds it; a load only once its
   bytes were verified (length, slot coverage, xxh3) and are in the destination blocks.
-- a failed transfer is never reported as done: vLLM has no failure path (it asserts
-  success), so :meth:`get_finished` raises and the engine stops loudly instead of
-  computing on wrong KV.
+- a load whose holder fails (its NodeStore died, its node is lost) is retried once from
+  another copy the Evictor knows of (a hot chunk's copy, or the holder that adopted it).
+- a failed transfer is otherwise never reported as done: vLLM has no failure path (it
+  asserts success), so :meth:`get_finished` raises and the engine stops loudly instead
+  of computing on wrong KV.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 import ray
@@ -34,15 +37,35 @@ from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.errors import ChunkCorruptError, TierStoreError
-from tierstore.keys import NodeId
+from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.vllm.device_copy import make_copier
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
 
-NodeStoreLookup = Callable[[NodeId], ray.actor.ActorHandle]
-# Told how many store jobs were just lost: vLLM has no failure path to count them by.
-StoreFailureReport = Callable[[int], None]
+
+class WorkerPorts(Protocol):
+    """What a worker needs of the cluster; called on transfer threads only."""
+
+    local_node: NodeId
+
+    def node_store(self, node: NodeId) -> ray.actor.ActorHandle:
+        """The NodeStore of ``node`` (looked up once, until forgotten)."""
+        ...
+
+    def forget_node_store(self, node: NodeId) -> None:
+        """A call to it failed: it may have been replaced, look it up again next time."""
+        ...
+
+    def report_failed_stores(self, n_jobs: int) -> None:
+        """Store jobs lost (vLLM has no failure path to count them by)."""
+        ...
+
+    def other_copies(
+        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid: NodeId
+    ) -> list[NodeId | None]:
+        """Per key, another node holding ``rank``'s shard, if any."""
+        ...
 
 
 class TierStoreWorker(OffloadingWorker):
@@ -51,24 +74,21 @@ class TierStoreWorker(OffloadingWorker):
         layout: ChunkLayout,
         rank: int,
         world_size: int,
-        local_store: ray.actor.ActorHandle,
-        find_store: NodeStoreLookup,
+        ports: WorkerPorts,
         transfer_timeout_s: float,
-        report_failed_stores: StoreFailureReport | None = None,
     ) -> None:
         self._layout = layout
         self._copier = make_copier(layout)
         self._rank = rank
         self._world_size = world_size
-        self._local_store = local_store
-        self._find_store = find_store
+        self._ports = ports
         self._timeout_s = transfer_timeout_s
         # One thread keeps a job's put/ack ordered; Ray calls release the GIL while waiting.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-xfer")
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
-        self._report_failed_stores = report_failed_stores
+        self.relocated_loads = 0  # load jobs served (in part) by another copy
 
     # ---- stores ----------------------------------------------------------------------------
     @override
@@ -105,11 +125,11 @@ class TierStoreWorker(OffloadingWorker):
                 exc_info=True,
             )
             self.failed_stores += 1
-            if self._report_failed_stores is not None:
-                try:
-                    self._report_failed_stores(1)
-                except Exception:  # best effort: the Evictor may be what failed
-                    logger.debug("could not report the failed store", exc_info=True)
+            self._ports.forget_node_store(self._ports.local_node)
+            try:
+                self._ports.report_failed_stores(1)
+            except Exception:  # best effort: the Evictor may be what failed
+                logger.debug("could not report the failed store", exc_info=True)
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
@@ -127,7 +147,7 @@ class TierStoreWorker(OffloadingWorker):
         ]
         ref = ray.put(buffer)
         kept = ray.get(
-            self._local_store.store.remote(
+            self._ports.node_store(self._ports.local_node).store.remote(
                 spec.namespace, self._rank, self._world_size, entries, [ref]
             ),
             timeout=self._timeout_s,
@@ -156,24 +176,79 @@ class TierStoreWorker(OffloadingWorker):
         self, job_id: int, spec: LoadSpec, dst: GPULoadStoreSpec, plan: JobPlan, started: float
     ) -> TransferResult:
         by_node = spec.keys_by_node(self._rank)
-        calls = {
-            node: self._find_store(node).load.remote(
-                spec.namespace, self._rank, [spec.keys[i] for i in idx]
-            )
-            for node, idx in by_node.items()
-        }
+        calls = {node: self._call_load(spec, node, idx) for node, idx in by_node.items()}
         if len(calls) == 1:  # the common case: the buffer is already in job order
             ((node, call),) = calls.items()
-            data, metas = self._fetch(call)
+            data, metas = self._fetch_from(spec, node, by_node[node], call)
             self._verify(spec, plan, list(range(len(spec.keys))), data, metas)
         else:
             data = np.empty(plan.nbytes, dtype=np.uint8)
             for node, call in calls.items():
-                part, metas = self._fetch(call)
                 idx = by_node[node]
+                part, metas = self._fetch_from(spec, node, idx, call)
                 self._verify(spec, plan, idx, part, metas, into=data)
         self._copier.scatter(plan, dst.block_ids, data)
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+
+    def _call_load(self, spec: LoadSpec, node: NodeId, idx: list[int]) -> ray.ObjectRef | Exception:
+        """The NodeStore call for ``idx`` (sent now, so the nodes work in parallel), or why
+        it could not be sent."""
+        try:
+            return self._ports.node_store(node).load.remote(
+                spec.namespace, self._rank, [spec.keys[i] for i in idx]
+            )
+        except Exception as exc:  # e.g. no NodeStore on that node any more
+            return exc
+
+    def _fetch_from(
+        self, spec: LoadSpec, node: NodeId, idx: list[int], call: ray.ObjectRef | Exception
+    ) -> tuple[np.ndarray, list[ShardMeta]]:
+        """The shards of ``idx`` from ``node``; if that fails, from other copies, once."""
+        try:
+            if isinstance(call, Exception):
+                raise call
+            return self._fetch(call)
+        except Exception as error:
+            self._ports.forget_node_store(node)
+            return self._fetch_elsewhere(spec, node, idx, error)
+
+    def _fetch_elsewhere(
+        self, spec: LoadSpec, failed: NodeId, idx: list[int], error: Exception
+    ) -> tuple[np.ndarray, list[ShardMeta]]:
+        keys = [spec.keys[i] for i in idx]
+        try:
+            nodes = self._ports.other_copies(spec.namespace, keys, self._rank, failed)
+        except Exception:
+            logger.warning("could not ask the Evictor for other copies", exc_info=True)
+            nodes = [None]
+        if any(node is None for node in nodes):
+            raise TierStoreError(
+                f"load of {len(keys)} chunks from node {failed} failed and not every chunk "
+                f"has another copy: {error}"
+            ) from error
+        positions: dict[NodeId, list[int]] = {}
+        for position, node in enumerate(nodes):
+            positions.setdefault(NodeId(node), []).append(position)  # type: ignore[arg-type]
+        pieces: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * len(keys)
+        metas: list[ShardMeta | None] = [None] * len(keys)
+        for node, at in positions.items():
+            call = self._ports.node_store(node).load.remote(
+                spec.namespace, self._rank, [keys[p] for p in at]
+            )
+            part, part_metas = self._fetch(call)
+            offset = 0
+            for p, meta in zip(at, part_metas, strict=True):
+                pieces[p], metas[p] = part[offset : offset + meta.nbytes], meta
+                offset += meta.nbytes
+        logger.warning(
+            "node %s failed a load (%s); %d chunks came from other copies on %s",
+            failed,
+            error,
+            len(keys),
+            sorted(positions),
+        )
+        self.relocated_loads += 1
+        return np.concatenate(pieces), [m for m in metas if m is not None]
 
     def _fetch(self, call: ray.ObjectRef) -> tuple[np.ndarray, list[ShardMeta]]:
         refs, metas = ray.get(call, timeout=self._timeout_s)
