@@ -68,8 +68,10 @@ def test_a_killed_node_store_is_replaced_and_its_memory_chunks_become_misses(
 
     wait_for(replaced, "a new NodeStore on the node", timeout_s=30)
     assert _lookup(cfg, keys) == [LookupState.MISS] * 3
-    fresh = _worker(cfg, _kv())  # finds the new NodeStore
-    fresh.submit_store(2, src, StoreSpec(NS, tuple(keys)))
-    assert _drain(fresh, 1) == [2]
-    assert fresh.failed_stores == 0
+    # The same worker stores again: its first job may still meet the dead NodeStore (a
+    # lost store, counted), after which it looks the node's NodeStore up afresh.
+    for job in (2, 3):
+        worker.submit_store(job, src, StoreSpec(NS, tuple(keys)))
+        assert _drain(worker, 1) == [job]
+    assert worker.failed_stores <= 1
     _load_spec(cfg, keys)
