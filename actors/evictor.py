@@ -48,6 +48,7 @@ class Evictor:
             replicate_after_loads=cfg.replicate_after_loads,
         )
         self._events = EventLog()
+        self._store_ids: dict[NodeId, str] = {}  # node -> the NodeStore that registered it
         self._stop = threading.Event()
         me = ray.get_runtime_context().current_actor
         # The thread only enqueues calls to this actor: all index work stays on the
@@ -94,15 +95,19 @@ class Evictor:
         return {"started": started, "forgotten": gone}
 
     def register_node(
-        self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, fresh: bool = False
+        self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, store_id: str | None = None
     ) -> None:
-        """``fresh``: a NodeStore process starts on the node. If one ran there before (it
-        died and the reconcile placed a new one), what it held in memory died with it:
-        forget it now, so no lookup promises it; its disk copies are offered again next."""
+        """``store_id``: the registering NodeStore's actor id. If another NodeStore held
+        the node before (it died and the reconcile placed a new one), what it held in
+        memory died with it: forget it now, so no lookup promises it; the new one offers
+        its disk copies next."""
         node = NodeId(node_id)
-        if fresh and node in self._index.nodes():
-            logger.warning("NodeStore on node %s restarted; forgetting what it held", node_id)
-            self.forget_node(node_id)
+        if store_id is not None:
+            previous = self._store_ids.get(node)
+            if previous not in (None, store_id) and node in self._index.nodes():
+                logger.warning("NodeStore on node %s restarted; forgetting what it held", node)
+                self.forget_node(node_id)
+            self._store_ids[node] = store_id
         self._index.register_node(node, cpu_bytes, disk_bytes)
 
     def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
@@ -199,6 +204,7 @@ class Evictor:
         self._index.release_holder(holder)
 
     def forget_node(self, node_id: str) -> None:
+        self._store_ids.pop(NodeId(node_id), None)
         self._events.record_held(NodeId(node_id), True, self._index.shards_on(NodeId(node_id)))
         self._send(self._index.forget_node(NodeId(node_id)))
 

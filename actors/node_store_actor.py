@@ -92,9 +92,10 @@ class NodeStore:
         self._evictor = evictor
         self._node_id = node_id
         self._cpu_bytes, self._disk_bytes = cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node
+        self._id = ray.get_runtime_context().get_actor_id()
         ray.get(
             evictor.register_node.remote(
-                node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node, fresh=True
+                node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node, store_id=self._id
             )
         )
         disk = None
@@ -118,7 +119,9 @@ class NodeStore:
     def reregister(self) -> int:
         """The Evictor restarted and lost its index: offer it everything held here again."""
         ray.get(
-            self._evictor.register_node.remote(self._node_id, self._cpu_bytes, self._disk_bytes)
+            self._evictor.register_node.remote(
+                self._node_id, self._cpu_bytes, self._disk_bytes, store_id=self._id
+            )
         )
         return self._core.register_inventory(after_evictor_restart=True)
 
