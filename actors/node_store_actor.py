@@ -18,6 +18,7 @@ from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
+from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,17 @@ class NodeStore:
         # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
         # zero-copy, and let the core copy out what it keeps.
         buffer = ray.get(buffer_ref[0])
-        return self._core.store(
-            namespace, rank, world_size, [ShardEntry(*e) for e in entries], buffer
-        )
+        shards = [ShardEntry(*e) for e in entries]
+        try:
+            return self._core.store(namespace, rank, world_size, shards, buffer)
+        except ray.exceptions.RayTaskError as exc:
+            if not isinstance(exc.cause, UnknownNodeError):
+                raise
+            # The Evictor restarted and has not reconciled yet: register this node and
+            # offer what it holds (as the reconcile would), then admit the new shards.
+            logger.info("Evictor does not know node %s yet; registering", self._node_id)
+            self.reregister()
+            return self._core.store(namespace, rank, world_size, shards, buffer)
 
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]

@@ -25,3 +25,7 @@ class ChunkCorruptError(TierStoreError):
 
 class ClusterUnavailableError(TierStoreError, ConnectionError):
     """Ray or one of tierstore's actors cannot be reached."""
+
+
+class UnknownNodeError(TierStoreError, KeyError):
+    """The Evictor has no record of a node (it restarted and has not heard from it yet)."""

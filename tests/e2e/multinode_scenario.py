@@ -8,7 +8,8 @@ session is already a driver of another cluster, and a process joins only one).
 2. Engine A is killed; engine B, on node B, runs PROMPT: its prefix must come from node
    A's NodeStore, through the object store. It runs HOT twice: HOT is hot now, and node
    B gets its own copy, which serves B's third run of HOT.
-3. Node A is removed while engine B runs; once the Evictor has forgotten node A, engine B
+3. Node A is removed while engine B runs (with the Evictor, if Ray placed it there: it
+   then restarts elsewhere); once the Evictor has forgotten node A, engine B
    runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B). HOT
    hits at once: its copy on B outlived A.
 4. The Evictor is killed (Ray restarts it) and engine B serves PROMPT at once, while the
@@ -95,8 +96,11 @@ def main(model: str, out_path: str) -> None:
         facts["node_b_after_hot"] = _node_store_stats(node_b.node_id)
 
         cluster.remove_node(node_a, allow_graceful=False)
+        # The Evictor may have lived on node A: then it restarts elsewhere, and its index
+        # is whole again once node B has re-registered with it.
         facts["forget_s"] = _wait_for(
-            lambda s: node_a.node_id not in s["nodes"], "the Evictor forgets node A"
+            lambda s: node_a.node_id not in s["nodes"] and node_b.node_id in s["nodes"],
+            "the Evictor forgets node A and knows node B",
         )
         facts["status_nodes"] = [n["node_id"] for n in collect_status(NAMESPACE)["nodes"]]
         ray.get(engine_b.reset_prefix_cache.remote())

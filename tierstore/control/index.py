@@ -37,6 +37,7 @@ from itertools import count
 from typing import NamedTuple
 
 from tierstore.control.policies import POLICIES
+from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 
 logger = logging.getLogger(__name__)
@@ -383,7 +384,7 @@ class ChunkIndex:
         admitted shard is also written through to disk when the disk has room.
         """
         if node not in self._nodes:
-            raise KeyError(f"node {node!r} is not registered with the Evictor")
+            raise UnknownNodeError(f"node {node!r} is not registered with the Evictor")
         # Never make room by evicting the offered chunks' own parents: it would leave the
         # new chunks unreachable the moment they land.
         protected = {UnitId(o.namespace, boundary_of(o.key)) for o in offers} | {
