@@ -20,9 +20,14 @@ from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tierstore.actors.evictor import Evictor
+from tierstore.actors.placement import (
+    EVICTOR_NAME,
+    alive_node_ids,
+    node_store_name,
+    place_node_store,
+)
 
-from actors.evictor import Evictor
-from actors.placement import EVICTOR_NAME, alive_node_ids, node_store_name, place_node_store
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ClusterUnavailableError
 

@@ -14,8 +14,8 @@ import threading
 import time
 
 import ray
+from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
-from actors.placement import alive_node_ids, node_store_name, place_node_store
 from tierstore.config import TierStoreConfig
 from tierstore.control.events import EventBatch, EventLog
 from tierstore.control.index import (

@@ -1,4 +1,4 @@
-"""The NodeStore actor: Ray around :class:`~actors.node_store.NodeStoreCore`."""
+"""The NodeStore actor: Ray around :class:`~tierstore.actors.node_store.NodeStoreCore`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import IO
 
 import numpy as np
 import ray
+from tierstore.actors.names import node_store_name
+from tierstore.actors.node_store import NodeStoreCore, ShardEntry
 
-from actors.names import node_store_name
-from actors.node_store import NodeStoreCore, ShardEntry
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
 from tierstore.data.tiers.base import ShardMeta

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tierstore.actors.names import EVICTOR_NAME, node_store_name
+from tierstore.actors.node_store_actor import NodeStore
 
-from actors.names import EVICTOR_NAME, node_store_name
-from actors.node_store_actor import NodeStore
 from tierstore.config import TierStoreConfig
 
 __all__ = ["EVICTOR_NAME", "alive_node_ids", "node_store_name", "place_node_store"]

@@ -10,8 +10,9 @@ import os
 import sys
 from typing import Any
 
-from deploy.bench.__main__ import add_arguments as add_bench_arguments
-from deploy.bench.__main__ import run_benchmark
+from tierstore.deploy.bench.__main__ import add_arguments as add_bench_arguments
+from tierstore.deploy.bench.__main__ import run_benchmark
+
 from tierstore.config import DEFAULT_NAMESPACE, TierStoreConfig
 from tierstore.errors import ConfigError, TierStoreError
 
@@ -20,8 +21,7 @@ logger = logging.getLogger("tierstore.cli")
 
 def _connect(address: str | None, namespace: str) -> None:
     import ray
-
-    from actors.bootstrap import check_reachable
+    from tierstore.actors.bootstrap import check_reachable
 
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     check_reachable(target)
@@ -39,8 +39,7 @@ def _connect(address: str | None, namespace: str) -> None:
 def collect_status(namespace: str) -> dict[str, Any]:
     """Per node and tier: used and capacity bytes and chunks; cluster totals."""
     import ray
-
-    from actors.placement import EVICTOR_NAME, node_store_name
+    from tierstore.actors.placement import EVICTOR_NAME, node_store_name
 
     try:
         evictor = ray.get_actor(EVICTOR_NAME, namespace=namespace)
@@ -179,7 +178,7 @@ def _wait_with_progress(refs: list[Any], what: str) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from actors.bootstrap import start_actors
+    from tierstore.actors.bootstrap import start_actors
 
     cfg = _config_from_flags(args)
     _connect(args.address, cfg.namespace)
@@ -189,7 +188,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from actors.bootstrap import shutdown_actors
+    from tierstore.actors.bootstrap import shutdown_actors
 
     _connect(args.address, args.namespace)
     print(f"stopped {shutdown_actors(args.namespace)} tierstore actor(s)")
@@ -204,7 +203,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from deploy.demo import DEMO_NAMESPACE, format_table, run_demo
+    from tierstore.deploy.demo import DEMO_NAMESPACE, format_table, run_demo
 
     rows = run_demo()
     print()

@@ -13,8 +13,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from deploy.models import make_tiny_model
-from deploy.passes import TIERSTORE_SPEC, EngineSpec, build_llm, random_prompt, run_pass, warm_up
+from tierstore.deploy.models import make_tiny_model
+from tierstore.deploy.passes import (
+    TIERSTORE_SPEC,
+    EngineSpec,
+    build_llm,
+    random_prompt,
+    run_pass,
+    warm_up,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-from deploy.passes import EngineSpec, build_llm, drain, run_pass
+from tierstore.deploy.passes import EngineSpec, build_llm, drain, run_pass
 
 # The engine core in the actor's own process: a spawned engine process would join Ray
 # as a new driver, on whichever node its address resolves to, not on the actor's node.

@@ -16,7 +16,8 @@ import shlex
 import sys
 from typing import Any
 
-from deploy.passes import TIERSTORE_SPEC, kv_transfer_config
+from tierstore.deploy.passes import TIERSTORE_SPEC, kv_transfer_config
+
 from tierstore.config import TierStoreConfig
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -1,7 +1,7 @@
-"""``python -m deploy.bench NAME --out DIR``: run a benchmark, write JSON and PNG plots.
+"""``python -m tierstore.deploy.bench NAME --out DIR``: run a benchmark, write JSON and PNG plots.
 
 Runs by hand (a private local Ray cluster) or as a Ray job against a running cluster:
-``ray job submit --working-dir . -- python -m deploy.bench e2e --out /abs/results``.
+``ray job submit -- python -m tierstore.deploy.bench e2e --out /abs/results``.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.bench.common import machine_info
+from tierstore.deploy.bench.common import machine_info
 
-# name -> module under deploy.bench; each has ``run(args) -> dict`` (JSON-able results)
+# name -> module under tierstore.deploy.bench; each has ``run(args) -> dict`` (JSON-able results)
 # and may have ``plot(results, out_dir) -> list[Path]`` (PNG files it wrote).
 BENCHMARKS: dict[str, str] = {
-    "disk": "deploy.bench.disk",
-    "dataplane": "deploy.bench.dataplane",
-    "controlplane": "deploy.bench.controlplane",
-    "e2e": "deploy.bench.e2e",
-    "evictor": "deploy.bench.evictor",
-    "crossnode": "deploy.bench.crossnode",
+    "disk": "tierstore.deploy.bench.disk",
+    "dataplane": "tierstore.deploy.bench.dataplane",
+    "controlplane": "tierstore.deploy.bench.controlplane",
+    "e2e": "tierstore.deploy.bench.e2e",
+    "evictor": "tierstore.deploy.bench.evictor",
+    "crossnode": "tierstore.deploy.bench.crossnode",
 }
 
 
@@ -69,7 +69,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.bench")
+    parser = argparse.ArgumentParser(prog="python -m tierstore.deploy.bench")
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)

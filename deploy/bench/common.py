@@ -17,8 +17,7 @@ def ray_session(namespace: str) -> Iterator[str]:
     stopped on the way out, and a cluster started here is shut down.
     """
     import ray
-
-    from actors.bootstrap import shutdown_actors
+    from tierstore.actors.bootstrap import shutdown_actors
 
     started_here = not ray.is_initialized()
     if started_here:

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from tierstore.deploy.bench import plots
+from tierstore.deploy.bench.common import percentile, ray_session
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
-from deploy.bench import plots
-from deploy.bench.common import percentile, ray_session
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ChunkIndex, LookupAnswer, LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace, NodeId
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     key_counts = [16, 256] if args.quick else [1, 16, 128, 1024]
     cfg = TierStoreConfig(cpu_bytes_per_node=1 << 40, namespace=BENCH_NAMESPACE)
     with ray_session(cfg.namespace) as address:
-        from actors.bootstrap import get_or_create_evictor
+        from tierstore.actors.bootstrap import get_or_create_evictor
 
         evictor = get_or_create_evictor(cfg)
         echo = ray.remote(_Echo).options(num_cpus=0).remote()

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tierstore.actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
+from tierstore.deploy.bench import plots
+from tierstore.deploy.bench.dataplane import PageJobs
 
-from actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
-from deploy.bench import plots
-from deploy.bench.dataplane import PageJobs
 from tierstore.config import TierStoreConfig
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.vllm.transfer_specs import LoadSpec

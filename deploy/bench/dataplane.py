@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from tierstore.actors.bootstrap import get_or_create_evictor
+from tierstore.deploy.bench import plots
+from tierstore.deploy.bench.common import ray_session
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import get_or_create_evictor
-from deploy.bench import plots
-from deploy.bench.common import ray_session
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace

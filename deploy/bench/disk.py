@@ -129,7 +129,7 @@ def run(out_dir: Path, root: Path | None = None, quick: bool = False) -> dict[st
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    from deploy.bench import plots
+    from tierstore.deploy.bench import plots
 
     rows = results["throughput"]
     labels = [f"{r['chunk_bytes'] >> 10} KiB{' fsync' if r['fsync'] else ''}" for r in rows]

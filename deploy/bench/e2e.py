@@ -28,10 +28,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from deploy.bench import plots
-from deploy.bench.common import percentile, ray_session
-from deploy.models import make_tiny_model
-from deploy.passes import TIERSTORE_SPEC
+from tierstore.deploy.bench import plots
+from tierstore.deploy.bench.common import percentile, ray_session
+from tierstore.deploy.models import make_tiny_model
+from tierstore.deploy.passes import TIERSTORE_SPEC
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _plan(setup: dict[str, Any], model: Path, mode: str, disk_path: Path) -> dic
 
 
 def _run_engine(plan: dict[str, Any], ray_address: str, work: Path, mode: str) -> dict[str, Any]:
-    """Runs ``deploy.bench.e2e_engine`` in a fresh process; its log goes to ``work``."""
+    """Runs ``tierstore.deploy.bench.e2e_engine`` in a fresh process; its log goes to ``work``."""
     plan_path, out_path, log_path = (work / f"{mode}{s}" for s in (".plan.json", ".json", ".log"))
     plan_path.write_text(json.dumps(plan))
     env = dict(os.environ)
@@ -120,7 +120,13 @@ def _run_engine(plan: dict[str, Any], ray_address: str, work: Path, mode: str) -
     logger.info("e2e: running the %s engine (log: %s)", mode, log_path)
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "deploy.bench.e2e_engine", str(plan_path), str(out_path)],
+            [
+                sys.executable,
+                "-m",
+                "tierstore.deploy.bench.e2e_engine",
+                str(plan_path),
+                str(out_path),
+            ],
             cwd=_REPO,
             env=env,
             stdout=log,

@@ -1,6 +1,6 @@
 """One engine's share of the end-to-end benchmark, in a process of its own.
 
-``python -m deploy.bench.e2e_engine PLAN_JSON OUT_JSON``: builds the engine, warms it up,
+``python -m tierstore.deploy.bench.e2e_engine PLAN_JSON OUT_JSON``: builds the engine, warms it up,
 then runs each workload of the plan in order, one request at a time. Before each
 workload the device prefix cache is emptied, so workloads do not feed each other. With
 tierstore on, the cluster's counters (``tierstore status``) are read before and after
@@ -17,14 +17,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.bench.workloads import build
-from deploy.passes import EngineSpec, build_llm, drain, run_request, sampling_params, warm_up
+from tierstore.deploy.bench.workloads import build
+from tierstore.deploy.passes import (
+    EngineSpec,
+    build_llm,
+    drain,
+    run_request,
+    sampling_params,
+    warm_up,
+)
 
 
 def _tierstore_totals(namespace: str | None) -> dict[str, int]:
     if namespace is None:
         return {}
-    from deploy.cli import collect_status
+    from tierstore.deploy.cli import collect_status
 
     return collect_status(namespace)["totals"]
 

@@ -22,8 +22,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from deploy.bench import plots
-from deploy.bench.common import ray_session
+from tierstore.deploy.bench import plots
+from tierstore.deploy.bench.common import ray_session
+
 from tierstore.control.index import ChunkIndex, LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace, NodeId
 
@@ -116,8 +117,8 @@ def bench_index(n: int, seed: int = 0) -> dict[str, Any]:
 def bench_actor(n: int, batch: int) -> dict[str, Any]:
     """The real Evictor actor on a local Ray cluster: admit and lookup in calls of ``batch``."""
     import ray
+    from tierstore.actors.bootstrap import get_or_create_evictor
 
-    from actors.bootstrap import get_or_create_evictor
     from tierstore.config import TierStoreConfig
 
     cfg = TierStoreConfig(cpu_bytes_per_node=4 * n, namespace="tierstore-bench-evictor")

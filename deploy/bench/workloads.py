@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deploy.passes import random_prompt
+from tierstore.deploy.passes import random_prompt
 
 Generate = Callable[[list[int]], list[int]]
 

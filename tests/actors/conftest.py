@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from tierstore.actors.bootstrap import shutdown_actors
 
-from actors.bootstrap import shutdown_actors
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-actor-tests"

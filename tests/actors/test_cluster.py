@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from tierstore.actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
+from tierstore.actors.placement import node_store_name
 
-from actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
-from actors.placement import node_store_name
 from tests.support import simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState, ShardOffer

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor, shutdown_actors
+from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import find_node_store, get_or_create_evictor, shutdown_actors
-from deploy.cli import collect_status
 from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState

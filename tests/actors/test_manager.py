@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import ray
+from tierstore.actors.bootstrap import get_or_create_evictor
+from tierstore.actors.evictor import Evictor
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -16,8 +18,6 @@ from vllm.v1.kv_offload.base import (
     TierMatcher,
 )
 
-from actors.bootstrap import get_or_create_evictor
-from actors.evictor import Evictor
 from tests.support import wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ShardOffer

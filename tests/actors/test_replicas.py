@@ -15,10 +15,15 @@ import pytest
 import ray
 import torch
 from ray.cluster_utils import Cluster
+from tierstore.actors.bootstrap import (
+    ensure_actors,
+    find_node_store,
+    get_or_create_evictor,
+    shutdown_actors,
+)
+from tierstore.actors.node_store import ShardEntry
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor, shutdown_actors
-from actors.node_store import ShardEntry
 from tests.support import simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState

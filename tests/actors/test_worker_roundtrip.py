@@ -7,10 +7,10 @@ import time
 import pytest
 import ray
 import torch
+from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
+from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from actors.bootstrap import find_node_store, get_or_create_evictor
-from deploy.cli import collect_status
 from tests.support import wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState

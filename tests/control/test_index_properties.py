@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tierstore.actors.node_store import NodeStoreCore, ShardEntry
 
-from actors.node_store import NodeStoreCore, ShardEntry
 from tierstore.control.index import (
     Actions,
     AdmitResult,

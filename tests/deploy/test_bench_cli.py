@@ -1,4 +1,4 @@
-"""``tierstore bench`` forwards to ``deploy.bench``: JSON and plots land in ``--out``."""
+"""``tierstore bench`` forwards to ``tierstore.deploy.bench``: JSON and plots land in ``--out``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from deploy.cli import main
+from tierstore.deploy.cli import main
 
 
 def test_tierstore_bench_disk_quick_writes_json_and_plots(tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deploy.bench.e2e import summarize
-from deploy.bench.workloads import MultiTurn, PrefixRepetition, Unique
+from tierstore.deploy.bench.e2e import summarize
+from tierstore.deploy.bench.workloads import MultiTurn, PrefixRepetition, Unique
 
 
 def test_prefix_repetition_sends_each_prefix_repeats_times_with_fresh_suffixes() -> None:

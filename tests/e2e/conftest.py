@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from deploy.models import ENGINE_LIMITS, make_tiny_model
-from deploy.passes import TIERSTORE_SPEC, random_prompt
+from tierstore.deploy.models import ENGINE_LIMITS, make_tiny_model
+from tierstore.deploy.passes import TIERSTORE_SPEC, random_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 RAY_NAMESPACE = "tierstore-e2e"

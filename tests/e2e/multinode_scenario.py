@@ -25,11 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from tierstore.actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor
+from tierstore.deploy.cli import collect_status
+from tierstore.deploy.engine_actor import start_engine_on
+from tierstore.deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 
-from actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor
-from deploy.cli import collect_status
-from deploy.engine_actor import start_engine_on
-from deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 from tests.support import simulated_cluster
 from tierstore.config import TierStoreConfig
 

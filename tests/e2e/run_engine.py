@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from deploy.passes import EngineSpec, run_passes
+from tierstore.deploy.passes import EngineSpec, run_passes
 
 
 def main() -> None:

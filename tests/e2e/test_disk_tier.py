@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tierstore.deploy.cli import collect_status
+from tierstore.deploy.passes import random_prompt
 
-from deploy.cli import collect_status
-from deploy.passes import random_prompt
 from tests.e2e.conftest import (
     FP32_LOGPROB_TOL,
     MIN_CACHED_FRACTION,
@@ -155,7 +155,7 @@ def _status_of(address: str, namespace: str) -> dict[str, Any]:
         [
             sys.executable,
             "-m",
-            "deploy.cli",
+            "tierstore.deploy.cli",
             "status",
             "--json",
             "--address",

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import ray
+from tierstore.actors.bootstrap import find_node_store
 
-from actors.bootstrap import find_node_store
 from tests.e2e.conftest import (
     FP32_LOGPROB_TOL,
     MIN_CACHED_FRACTION,

@@ -12,8 +12,8 @@ Per model, three engines run the same ~1,000-token prompt twice:
 from __future__ import annotations
 
 import pytest
+from tierstore.deploy.passes import random_prompt
 
-from deploy.passes import random_prompt
 from tests.e2e.conftest import (
     FAMILIES,
     FP32_LOGPROB_TOL,

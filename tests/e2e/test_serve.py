@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tierstore.deploy.cli import collect_status
+from tierstore.deploy.passes import random_prompt
+from tierstore.deploy.serve import serve_command, shell_line
 
-from deploy.cli import collect_status
-from deploy.passes import random_prompt
-from deploy.serve import serve_command, shell_line
 from tests.e2e.conftest import (
     FP32_LOGPROB_TOL,
     MIN_CACHED_FRACTION,

@@ -5,15 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from tierstore.deploy.cli import build_parser, format_status
 
-from deploy.cli import build_parser, format_status
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import IndexStats
 from tierstore.errors import ConfigError
 
 
 def _up(*flags: str) -> TierStoreConfig:
-    from deploy.cli import _config_from_flags
+    from tierstore.deploy.cli import _config_from_flags
 
     return _config_from_flags(build_parser().parse_args(["up", *flags]))
 

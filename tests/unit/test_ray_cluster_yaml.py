@@ -10,8 +10,7 @@ import click
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
-
-from deploy.cli import _config_from_flags, build_parser
+from tierstore.deploy.cli import _config_from_flags, build_parser
 
 CONFIG = Path(__file__).resolve().parents[2] / "ray_cluster.yaml"
 

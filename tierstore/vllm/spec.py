@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from actors.bootstrap import connect, get_or_create_evictor
+from tierstore.actors.bootstrap import connect, get_or_create_evictor
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import Namespace, NodeId, make_namespace

@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from actors.node_store import ShardEntry
+from tierstore.actors.node_store import ShardEntry
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.data.tiers.base import ShardMeta

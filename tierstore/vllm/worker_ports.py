@@ -7,7 +7,11 @@ import logging
 
 import ray
 
-from actors.bootstrap import find_node_store, get_or_create_evictor, get_or_create_node_store
+from tierstore.actors.bootstrap import (
+    find_node_store,
+    get_or_create_evictor,
+    get_or_create_node_store,
+)
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace, NodeId
