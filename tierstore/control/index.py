@@ -101,7 +101,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
     store that finds only protected units left is skipped without rescanning them.
     """
 
-    # ---- nodes ------------------------------------------------------------------------------
+    # ---- nodes -------------------------------------------------------------------------
     def register_node(self, node: NodeId, cpu_bytes: int, disk_bytes: int = 0) -> None:
         tiers = self._nodes.setdefault(
             node, {TierName.CPU: TierAccount(cpu_bytes), TierName.DISK: TierAccount(disk_bytes)}
@@ -188,7 +188,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
             for n, tiers in self._nodes.items()
         }
 
-    # ---- stores -----------------------------------------------------------------------------
+    # ---- stores ------------------------------------------------------------------------
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
         """Decide which offered shards ``node`` keeps in its CPU tier.
 
@@ -222,7 +222,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
         self._demote_to_watermark(node, protected, now, actions)
         return AdmitResult(accepted, dict(actions))
 
-    # ---- lookups and promotion --------------------------------------------------------------
+    # ---- lookups and promotion ---------------------------------------------------------
     def lookup(
         self,
         namespace: Namespace,
@@ -313,7 +313,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 self._drop_unit(uid, actions)
         return dict(actions)
 
-    # ---- introspection ----------------------------------------------------------------------
+    # ---- introspection -----------------------------------------------------------------
     def record_loaded(self, n_chunks: int) -> None:
         self.stats.loaded_chunks += n_chunks
 
