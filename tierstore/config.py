@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,75 +114,9 @@ class TierStoreConfig:
     replicate_after_loads: int = 2
 
     def __post_init__(self) -> None:
-        if isinstance(self.cpu_bytes_per_node, bool) or not isinstance(
-            self.cpu_bytes_per_node, int
-        ):
-            raise ConfigError(
-                f"cpu_bytes_per_node: expected an integer byte count, got "
-                f"{self.cpu_bytes_per_node!r}"
-            )
-        if self.cpu_bytes_per_node <= 0:
-            raise ConfigError(
-                f"cpu_bytes_per_node: must be positive, got {self.cpu_bytes_per_node!r}"
-            )
-        if not isinstance(self.namespace, str) or not _NAMESPACE_RE.match(self.namespace):
-            raise ConfigError(
-                f"namespace: expected 1-64 letters, digits, '_', '.' or '-', got {self.namespace!r}"
-            )
-        if self.ray_address is not None and (
-            not isinstance(self.ray_address, str) or not self.ray_address.strip()
-        ):
-            raise ConfigError(
-                f"ray_address: expected 'ip:port' or 'auto', got {self.ray_address!r}"
-            )
-        if (
-            isinstance(self.disk_bytes_per_node, bool)
-            or not isinstance(self.disk_bytes_per_node, int)
-            or self.disk_bytes_per_node < 0
-        ):
-            raise ConfigError(
-                f"disk_bytes_per_node: expected a byte count >= 0, got {self.disk_bytes_per_node!r}"
-            )
-        if self.disk_bytes_per_node > 0 and not self.disk_path:
-            raise ConfigError(
-                "disk_path: required when disk_bytes_per_node > 0; set it to a directory on "
-                "each node's local disk"
-            )
-        if self.disk_path is not None and (
-            not isinstance(self.disk_path, str) or not self.disk_path.strip()
-        ):
-            raise ConfigError(f"disk_path: expected a directory path, got {self.disk_path!r}")
-        if not isinstance(self.disk_fsync, bool):
-            raise ConfigError(f"disk_fsync: expected true or false, got {self.disk_fsync!r}")
-        from tierstore.control.policies import POLICIES
-
-        if self.eviction_policy not in POLICIES.names():
-            raise ConfigError(
-                f"eviction_policy: unknown policy {self.eviction_policy!r}; supported: "
-                f"{', '.join(POLICIES.names())}"
-            )
-        for key in ("cpu_high_watermark", "cpu_low_watermark"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}")
-        if self.cpu_low_watermark > self.cpu_high_watermark:
-            raise ConfigError(
-                f"cpu_low_watermark: {self.cpu_low_watermark!r} is above cpu_high_watermark "
-                f"{self.cpu_high_watermark!r}"
-            )
-        if (
-            isinstance(self.replicate_after_loads, bool)
-            or not isinstance(self.replicate_after_loads, int)
-            or self.replicate_after_loads < 0
-        ):
-            raise ConfigError(
-                "replicate_after_loads: expected a number of loads >= 0 (0 = never), got "
-                f"{self.replicate_after_loads!r}"
-            )
-        for key in ("lease_ttl_s", "transfer_timeout_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
+        # One small validator per field or relation, in a fixed order (see ``_CHECKS``).
+        for check in _CHECKS:
+            check(self)
 
     @classmethod
     def from_extra_config(
@@ -222,3 +156,104 @@ class TierStoreConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# ---- validators: each checks one field (or one relation) and names it in its error ------
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_cpu_bytes(cfg: TierStoreConfig) -> None:
+    if not _is_int(cfg.cpu_bytes_per_node):
+        raise ConfigError(
+            f"cpu_bytes_per_node: expected an integer byte count, got {cfg.cpu_bytes_per_node!r}"
+        )
+    if cfg.cpu_bytes_per_node <= 0:
+        raise ConfigError(f"cpu_bytes_per_node: must be positive, got {cfg.cpu_bytes_per_node!r}")
+
+
+def _check_namespace(cfg: TierStoreConfig) -> None:
+    if not isinstance(cfg.namespace, str) or not _NAMESPACE_RE.match(cfg.namespace):
+        raise ConfigError(
+            f"namespace: expected 1-64 letters, digits, '_', '.' or '-', got {cfg.namespace!r}"
+        )
+
+
+def _check_ray_address(cfg: TierStoreConfig) -> None:
+    address = cfg.ray_address
+    if address is not None and (not isinstance(address, str) or not address.strip()):
+        raise ConfigError(f"ray_address: expected 'ip:port' or 'auto', got {address!r}")
+
+
+def _check_disk(cfg: TierStoreConfig) -> None:
+    if not _is_int(cfg.disk_bytes_per_node) or cfg.disk_bytes_per_node < 0:
+        raise ConfigError(
+            f"disk_bytes_per_node: expected a byte count >= 0, got {cfg.disk_bytes_per_node!r}"
+        )
+    if cfg.disk_bytes_per_node > 0 and not cfg.disk_path:
+        raise ConfigError(
+            "disk_path: required when disk_bytes_per_node > 0; set it to a directory on "
+            "each node's local disk"
+        )
+    if cfg.disk_path is not None and (
+        not isinstance(cfg.disk_path, str) or not cfg.disk_path.strip()
+    ):
+        raise ConfigError(f"disk_path: expected a directory path, got {cfg.disk_path!r}")
+    if not isinstance(cfg.disk_fsync, bool):
+        raise ConfigError(f"disk_fsync: expected true or false, got {cfg.disk_fsync!r}")
+
+
+def _check_policy(cfg: TierStoreConfig) -> None:
+    # Imported here, as before the split: importing config does not load the control package.
+    from tierstore.control.policies import POLICIES
+
+    if cfg.eviction_policy not in POLICIES.names():
+        raise ConfigError(
+            f"eviction_policy: unknown policy {cfg.eviction_policy!r}; supported: "
+            f"{', '.join(POLICIES.names())}"
+        )
+
+
+def _check_watermarks(cfg: TierStoreConfig) -> None:
+    for key in ("cpu_high_watermark", "cpu_low_watermark"):
+        value = getattr(cfg, key)
+        if not _is_number(value) or not 0 < value <= 1:
+            raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+    if cfg.cpu_low_watermark > cfg.cpu_high_watermark:
+        raise ConfigError(
+            f"cpu_low_watermark: {cfg.cpu_low_watermark!r} is above cpu_high_watermark "
+            f"{cfg.cpu_high_watermark!r}"
+        )
+
+
+def _check_replication(cfg: TierStoreConfig) -> None:
+    if not _is_int(cfg.replicate_after_loads) or cfg.replicate_after_loads < 0:
+        raise ConfigError(
+            "replicate_after_loads: expected a number of loads >= 0 (0 = never), got "
+            f"{cfg.replicate_after_loads!r}"
+        )
+
+
+def _check_timeouts(cfg: TierStoreConfig) -> None:
+    for key in ("lease_ttl_s", "transfer_timeout_s"):
+        value = getattr(cfg, key)
+        if not _is_number(value) or value <= 0:
+            raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
+
+
+# The order of the checks before they were split: a config with several bad values still
+# reports the same first one.
+_CHECKS: tuple[Callable[[TierStoreConfig], None], ...] = (
+    _check_cpu_bytes,
+    _check_namespace,
+    _check_ray_address,
+    _check_disk,
+    _check_policy,
+    _check_watermarks,
+    _check_replication,
+    _check_timeouts,
+)

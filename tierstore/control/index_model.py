@@ -1,0 +1,169 @@
+"""The chunk index's data model: what crosses its API and what it keeps per chunk.
+
+The public types (offers, lookup answers, actions, stats, watermarks) are re-exported by
+:mod:`tierstore.control.index`, where the rest of the code imports them from. The records
+(:class:`Shard`, :class:`Chunk`, :class:`Unit`, :class:`TierAccount`) are the index's own
+state, shared by its parts and never handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkId(NamedTuple):
+    namespace: Namespace
+    key: ChunkKey
+
+
+class UnitId(NamedTuple):
+    namespace: Namespace
+    boundary: bytes
+
+
+class ShardOffer(NamedTuple):
+    """A shard a NodeStore wants to hold (or already holds, when re-registering)."""
+
+    namespace: Namespace
+    key: ChunkKey
+    rank: int
+    world_size: int
+    nbytes: int
+    parent: bytes | None = None
+
+
+class LookupState(str, Enum):
+    HIT = "hit"
+    MISS = "miss"
+    PENDING = "pending"  # present, being promoted from disk: ask again shortly
+
+
+class LookupAnswer(NamedTuple):
+    state: LookupState
+    where: dict[int, NodeId] | None = None  # rank -> node, for a HIT
+
+
+@dataclass
+class NodeActions:
+    drop: list[ShardId] = field(default_factory=list)  # delete every copy
+    demote: list[ShardId] = field(default_factory=list)  # to disk (write if needed), free memory
+    promote: list[ShardId] = field(default_factory=list)  # read the disk copy into memory
+    persist: list[ShardId] = field(default_factory=list)  # write-through: copy memory to disk
+    # Send a copy of a held shard to another node's CPU tier (a replica of a hot chunk).
+    push: list[tuple[ShardId, NodeId]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.drop or self.demote or self.promote or self.persist or self.push)
+
+
+Actions = dict[NodeId, NodeActions]
+
+
+class AdmitResult(NamedTuple):
+    accepted: list[bool]  # one per offer, in order
+    actions: Actions  # what each node must do to honour the decision
+
+
+@dataclass(slots=True)
+class Shard:
+    node: NodeId
+    nbytes: int
+    cpu: bool = False  # a copy in the CPU tier (or one being promoted into it)
+    disk: bool = False  # a copy in the disk tier (or one being written to it)
+    promoting: bool = False
+
+    def has(self, tier: TierName) -> bool:
+        return self.cpu if tier is TierName.CPU else self.disk
+
+    def set(self, tier: TierName, present: bool) -> None:
+        if tier is TierName.CPU:
+            self.cpu = present
+        else:
+            self.disk = present
+
+    @property
+    def tiers(self) -> tuple[TierName, ...]:
+        return (TierName.CPU,) * self.cpu + (TierName.DISK,) * self.disk
+
+
+@dataclass(slots=True)
+class Chunk:
+    key: ChunkKey
+    world_size: int
+    parent: ChunkKey | None
+    shards: list[Shard | None]  # by rank
+    present: int = 0
+    replicas: dict[NodeId, int] | None = None  # node -> ranks landed there (ready at all)
+
+    @property
+    def complete(self) -> bool:
+        return self.present == self.world_size
+
+    def held(self) -> Iterator[tuple[int, Shard]]:
+        return ((rank, s) for rank, s in enumerate(self.shards) if s is not None)
+
+    def replica_ready(self, node: NodeId) -> bool:
+        """Every rank of this chunk has landed in ``node``'s replica."""
+        return (self.replicas or {}).get(node) == self.world_size
+
+
+@dataclass(slots=True)
+class Unit:
+    """One boundary. Tuples and a lazily made set: most units have one chunk, one parent
+    and at most one child, and a million of them must fit in memory."""
+
+    chunks: tuple[Chunk, ...] = ()
+    parents: tuple[UnitId, ...] = ()
+    children: set[UnitId] | None = None
+    waiting_for: tuple[UnitId, ...] = ()  # parents not (yet) resident
+    cpu_copies: int = 0  # shards with a CPU copy, on any node
+    cpu_children: int = 0  # children with cpu_copies > 0: demotable only at 0
+
+    def shards(self) -> Iterator[tuple[Chunk, int, Shard]]:
+        return ((c, rank, s) for c in self.chunks for rank, s in c.held())
+
+
+@dataclass
+class TierAccount:
+    capacity_bytes: int
+    used_bytes: int = 0
+    shards: int = 0
+
+
+@dataclass
+class IndexStats:
+    stored_chunks: int = 0
+    loaded_chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    evicted_chunks: int = 0  # dropped for room (from any tier)
+    demoted_shards: int = 0
+    promoted_shards: int = 0
+    skipped_stores: int = 0
+    replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
+    failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore
+    corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
+    corrupt_after_hit: int = 0  # failed verification on load: the engine was stopped
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """Demote CPU shards to disk once a node's CPU tier passes ``high``, down to ``low``."""
+
+    high: float = 0.95
+    low: float = 0.85
+
+
+def valid_offer(offer: ShardOffer) -> bool:
+    if 0 <= offer.rank < offer.world_size:
+        return True
+    logger.warning("refusing shard of rank %d in a world of %d", offer.rank, offer.world_size)
+    return False
