@@ -136,12 +136,105 @@ def _nemotron_h() -> Any:
     )
 
 
+def _gemma4() -> Any:
+    from transformers import Gemma4TextConfig
+
+    # Sliding layers of head dim 32, full layers of head dim 64 (``global_head_dim``), and
+    # the per-layer input embeddings: 4 sliding + 2 full layers, 3 KV cache groups.
+    return Gemma4TextConfig(
+        vocab_size=_VOCAB,
+        vocab_size_per_layer_input=_VOCAB,
+        hidden_size_per_layer_input=16,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        global_head_dim=64,
+        sliding_window=128,
+        max_position_embeddings=4096,
+        layer_types=["sliding_attention"] * 2
+        + ["full_attention"]
+        + ["sliding_attention"] * 2
+        + ["full_attention"],
+    )
+
+
+# Qwen3.6 (``Qwen3_5*``): 4 GDN + 2 full attention layers, 3 KV cache groups. The CPU
+# build's GDN kernel wants linear-attention head dims of 128, and bf16.
+_QWEN3_5_COMMON: dict[str, Any] = {
+    "vocab_size": _VOCAB,
+    "hidden_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 4096,
+    "layer_types": ["linear_attention"] * 2
+    + ["full_attention"]
+    + ["linear_attention"] * 2
+    + ["full_attention"],
+}
+
+
+def _qwen3_5() -> Any:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(intermediate_size=256, **_QWEN3_5_COMMON)
+
+
+def _qwen3_5_moe() -> Any:
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        **_QWEN3_5_COMMON,
+    )
+
+
+def _llama4() -> Any:
+    from transformers import Llama4TextConfig
+
+    # 3 chunked local-attention layers (RoPE, 128-token chunks) and 1 full NoPE layer,
+    # 4 KV cache groups; every other layer MoE.
+    return Llama4TextConfig(
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        intermediate_size=64,
+        intermediate_size_mlp=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        no_rope_layer_interval=4,
+        attention_chunk_size=128,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
 TINY_MODELS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "gemma3": _gemma3,
     "gpt-oss": _gpt_oss,
     "qwen3-next": _qwen3_next,
     "nemotron-h": _nemotron_h,
+    "gemma4": _gemma4,
+    "qwen3.6": _qwen3_5,
+    "qwen3.6-moe": _qwen3_5_moe,
+    "llama4": _llama4,
 }
 
 # Engine settings a family needs on the CPU build, beyond the defaults.

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,41 @@ CPU_BYTES = 1 << 30
 _ENGINE_TIMEOUT_S = 900
 
 REFERENCE_SPEC = {"spec_name": "ReferenceSpec", "spec_module_path": "tests.e2e.reference_spec"}
+
+# A torchvision stand-in for the engine processes (see tests/e2e/stubs/torchvision), used
+# only where no torchvision is installed: deploy/setup.sh removes PyPI's, which cannot
+# load beside the CPU torch, and Qwen3.6's vLLM module imports it through transformers.
+STUBS = REPO / "tests" / "e2e" / "stubs"
+_GROUP_SIZES_LOG = re.compile(r"kv cache group sizes \(([\d, ]+)\)")
+
+
+class EngineRun(list):
+    """One engine's passes (a list of pass dicts), with what vLLM reported about its KV cache."""
+
+    def __init__(self, passes: list[dict[str, Any]], block_size: int, log: str) -> None:
+        super().__init__(passes)
+        self.block_size = block_size  # the scheduler's, after vLLM's adjustments
+        self.log = log  # the engine processes' stdout and stderr
+
+    def subset(self, *indices: int) -> EngineRun:
+        """Some of the passes, with the same engine facts."""
+        return EngineRun([self[i] for i in indices], self.block_size, self.log)
+
+    @property
+    def group_block_sizes(self) -> tuple[int, ...]:
+        """Block size per KV cache group, from vLLM's log (which names them only when
+        there are several groups: one group has the scheduler's block size)."""
+        found = _GROUP_SIZES_LOG.search(self.log)
+        if found is None:
+            return (self.block_size,)
+        return tuple(int(n) for n in found.group(1).split(","))
+
+
+def _python_path() -> str:
+    paths = [str(REPO)]
+    if importlib.util.find_spec("torchvision") is None:
+        paths.append(str(STUBS))
+    return os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +81,7 @@ def ray_cluster() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def run_engine(
     ray_cluster: str, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[..., list[dict[str, Any]]]:
+) -> Callable[..., EngineRun]:
     """Run one engine's passes in a fresh process; returns the passes as dicts."""
     out_dir = tmp_path_factory.mktemp("engine-runs")
     counter = iter(range(1_000_000))
@@ -55,12 +93,12 @@ def run_engine(
         ray_address: str | None = None,
         extra_env: dict[str, str] | None = None,
         **kw: Any,
-    ) -> list[dict[str, Any]]:
+    ) -> EngineRun:
         out = out_dir / f"run-{next(counter)}.json"
         env = dict(os.environ)
         env.update(
             RAY_ADDRESS=ray_address or ray_cluster,
-            PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
+            PYTHONPATH=_python_path(),
             VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         )
         env.update(extra_env or {})
@@ -73,12 +111,15 @@ def run_engine(
             text=True,
             timeout=_ENGINE_TIMEOUT_S,
         )
+        log = proc.stdout + proc.stderr
+        out.with_suffix(".log").write_text(f"{json.dumps(args)[:2000]}\n{log}")  # for post-mortems
         if proc.returncode != 0:
             raise AssertionError(
                 f"engine run failed ({proc.returncode}):\n"
                 f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
             )
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        return EngineRun(result["passes"], result["block_size"], log)
 
     return run
 
@@ -103,15 +144,38 @@ def tiny_model(models_dir: Path) -> Callable[[str, str], str]:
 PROMPT = random_prompt(1000, seed=7)
 FP32_LOGPROB_TOL = 1e-4
 MIN_CACHED_FRACTION = 0.75
+WEIGHT_OFFLOAD = {"cpu_offload_gb": 0.01}  # --cpu-offload-gb: some weights stay on the host
 
-# (tiny model, dtype): Qwen3-Next's GDN kernel on the CPU build requires bf16.
+
+@dataclass(frozen=True)
+class Family:
+    """A tiny model of one KV cache family and what its parity test expects of it."""
+
+    name: str
+    dtype: str  # Qwen3-Next's and Qwen3.6's GDN kernel on the CPU build requires bf16
+    block_sizes: tuple[int, ...]  # per KV cache group, as vLLM reports them
+    engine: dict[str, Any] = field(default_factory=dict)  # beyond engine_for()
+
+
 FAMILIES = [
-    ("llama", "float32"),  # 1 group
-    ("gemma3", "float32"),  # 3 groups: sliding + full attention
-    ("gpt-oss", "float32"),  # 2 groups: sliding + full attention
-    ("qwen3-next", "bfloat16"),  # 2 groups: GDN (Mamba-style state) + full attention
-    ("nemotron-h", "float32"),  # 3 groups: Mamba2 (align mode) + full attention
+    Family("llama", "float32", (32,)),
+    Family("gemma3", "float32", (32, 32, 32)),  # sliding + full attention
+    Family("gpt-oss", "float32", (32, 32)),  # sliding + full attention
+    Family("qwen3-next", "bfloat16", (160,) * 4),  # 3 GDN (Mamba-style state) + 1 full attention
+    Family("nemotron-h", "float32", (32, 32, 32)),  # Mamba2 (align mode) + full attention
+    # Gemma 4: sliding layers of head dim 32, full ones of 64, per-layer embeddings. vLLM
+    # gives the groups one page size, so the full layers' blocks hold half the tokens.
+    # With weight offloading (--cpu-offload-gb), the combination vLLM's report was about.
+    Family("gemma4", "float32", (64, 64, 32), engine=WEIGHT_OFFLOAD),
+    # Qwen3.6: GDN + full attention. vLLM raises the block to 160 tokens so an attention
+    # page is as large as a GDN state page (the group's "Mamba-style" state exists only
+    # where a block ends), so a restore resumes at the last block boundary before the
+    # prompt's final token: 960 of 1,000 (README "Families on the CPU build").
+    Family("qwen3.6", "bfloat16", (160,) * 3, engine=WEIGHT_OFFLOAD),
+    Family("qwen3.6-moe", "bfloat16", (160,) * 3),
+    Family("llama4", "float32", (32, 32, 32, 32)),  # chunked local attention + NoPE full
 ]
+FAMILY = {f.name: f for f in FAMILIES}
 
 
 def only(passes: list[dict[str, Any]], index: int, request: int = 0) -> dict[str, Any]:
@@ -127,17 +191,39 @@ def engine_for(tiny_model: Callable[[str, str], str], name: str, dtype: str) -> 
     return {"model": tiny_model(name, dtype), "dtype": dtype, **ENGINE_LIMITS.get(name, {})}
 
 
-@pytest.fixture(scope="session")
-def runs(run_engine, tiny_model) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Per family, PROMPT run twice by three engines (each takes about a minute, so once):
-    tierstore (device cache reset between passes), the reference restore (likewise),
-    and no connector with the device prefix cache kept."""
-    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for name, dtype in FAMILIES:
-        engine = engine_for(tiny_model, name, dtype)
-        out[name] = {
-            "tierstore": run_engine({**engine, "kv_extra_config": tierstore_extra()}, [PROMPT], 2),
-            "reference": run_engine({**engine, "kv_extra_config": REFERENCE_SPEC}, [PROMPT], 2),
-            "device": run_engine(engine, [PROMPT], 2, reset_between=False),
+class FamilyRuns(dict):
+    """Per family, PROMPT through two engines, run on first use (each engine takes about
+    a minute to start, so once per session, and only for the families a run selects):
+
+    - "tierstore": pass 1 computes and stores; the device prefix cache is reset; pass 2
+      loads from tierstore.
+    - the reference restore: pass 1 computes and stores; pass 2 hits vLLM's own device
+      prefix cache (the connector has nothing to load past it); reset; pass 3 loads from
+      the reference restore. "device" is its passes 1 and 2 ("device"[1] is the hit),
+      "reference" its passes 1 and 3, so both read like the tierstore engine's.
+    """
+
+    def __init__(self, run_engine: Callable[..., EngineRun], tiny_model: Callable) -> None:
+        super().__init__()
+        self._run_engine = run_engine
+        self._tiny_model = tiny_model
+
+    def __missing__(self, name: str) -> dict[str, EngineRun]:
+        family = FAMILY[name]
+        engine = {**engine_for(self._tiny_model, name, family.dtype), **family.engine}
+        run = self._run_engine
+        tierstore = run({**engine, "kv_extra_config": tierstore_extra()}, [PROMPT], 2)
+        reference = run(
+            {**engine, "kv_extra_config": REFERENCE_SPEC}, [PROMPT], 3, resets=[False, True, True]
+        )
+        self[name] = {
+            "tierstore": tierstore,
+            "reference": reference.subset(0, 2),
+            "device": reference.subset(0, 1),
         }
-    return out
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def runs(run_engine, tiny_model) -> FamilyRuns:
+    return FamilyRuns(run_engine, tiny_model)
