@@ -92,6 +92,10 @@ class TierStoreConfig:
     ray_address: str | None = None
     # Seconds a HIT stays reserved for the engine that saw it before the Evictor may evict it.
     lease_ttl_s: float = 30.0
+    # Milliseconds a request waits for tierstore's answer to a lookup before it proceeds
+    # as a miss. The Evictor answers in 1-2 scheduler steps when healthy (tens of ms);
+    # this bounds what a slow or restarting Evictor costs a request.
+    lookup_timeout_ms: float = 200.0
     # Seconds a worker waits for a NodeStore before failing the engine loudly.
     transfer_timeout_s: float = 120.0
     # Directory of each node's disk tier; None = no disk tier. Survives restarts.
@@ -239,10 +243,11 @@ def _check_replication(cfg: TierStoreConfig) -> None:
 
 
 def _check_timeouts(cfg: TierStoreConfig) -> None:
-    for key in ("lease_ttl_s", "transfer_timeout_s"):
+    for key in ("lease_ttl_s", "transfer_timeout_s", "lookup_timeout_ms"):
         value = getattr(cfg, key)
         if not _is_number(value) or value <= 0:
-            raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
+            unit = "milliseconds" if key.endswith("_ms") else "seconds"
+            raise ConfigError(f"{key}: expected a positive number of {unit}, got {value!r}")
 
 
 # The order of the checks before they were split: a config with several bad values still

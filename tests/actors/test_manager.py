@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
@@ -98,6 +99,7 @@ class _SlowEvictor(Evictor):
 
 
 def test_scheduler_calls_do_not_wait_for_a_slow_evictor(cfg: TierStoreConfig) -> None:
+    cfg = dataclasses.replace(cfg, lookup_timeout_ms=60_000.0)  # RETRY throughout
     slow = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
     manager = TierStoreManager(cfg, NS, EvictorChannel(slow))
     ctx = ReqContext(req_id="r2")

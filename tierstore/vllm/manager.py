@@ -4,6 +4,9 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
 - no method waits on Ray. A key not answered yet is ``RETRY``; the keys of a step are
   sent in one batch by :class:`EvictorChannel`'s thread, and the answer lands in
   per-request state, under :attr:`lock`.
+- a key gets its answer within ``lookup_timeout_ms`` of its first ask, or counts as a
+  MISS (``tierstore:lookup_timeouts``): a slow Evictor never holds a request up for
+  longer. An answer that lands after that is dropped, and its leases given back.
 - a ``HIT`` is backed by a lease the Evictor granted this request, so the chunk stays
   loadable until ``prepare_load``, which extends the lease until ``complete_load``.
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
@@ -80,9 +83,12 @@ class _Answer:
 class _RequestState:
     holder: str  # lease holder id at the Evictor
     answers: dict[ChunkKey, _Answer] = field(default_factory=dict)
-    pending: set[ChunkKey] = field(default_factory=set)
+    # key -> when it was first asked and not answered for good (HIT or MISS) since; a
+    # PENDING answer (promotion under way) keeps the first ask's time.
+    pending: dict[ChunkKey, float] = field(default_factory=dict)
     unsent: list[ChunkKey] = field(default_factory=list)
     unsent_since: float = 0.0  # when the oldest unsent key was first answered RETRY
+    in_flight: set[ChunkKey] = field(default_factory=set)  # sent, no answer back yet
     promoting: set[ChunkKey] = field(default_factory=set)  # answered PENDING (on disk)
     leased: set[ChunkKey] = field(default_factory=set)
     loading: set[ChunkKey] = field(default_factory=set)
@@ -110,6 +116,7 @@ class TierStoreManager(OffloadingManager):
         self._namespace = namespace
         self._tokens_per_chunk = tokens_per_chunk or {}
         self._channel = channel
+        self._lookup_timeout_s = cfg.lookup_timeout_ms / 1000
         self._lock = threading.RLock()
         self._id = uuid.uuid4().hex[:12]
         self._requests: dict[str, _RequestState] = {}
@@ -172,13 +179,34 @@ class TierStoreManager(OffloadingManager):
                     return _RESULTS[answer.state]
                 del state.answers[key]
                 state.leased.discard(key)
-            if key not in state.pending:
+            now = time.monotonic()
+            asked_at = state.pending.get(key)
+            if asked_at is None:
                 self._remember_position(state, key, req_context)  # once per ask is enough
-                state.pending.add(key)
-                if not state.unsent:
-                    state.unsent_since = time.monotonic()
-                state.unsent.append(key)
+                state.pending[key] = now
+                self._send_later(state, key, now)
+            elif now - asked_at > self._lookup_timeout_s:
+                return self._time_out(state, key, now)
+            elif key not in state.in_flight:  # answered PENDING: ask again
+                self._send_later(state, key, now)
             return LookupResult.RETRY
+
+    def _send_later(self, state: _RequestState, key: ChunkKey, now: float) -> None:
+        if not state.unsent:
+            state.unsent_since = now
+        state.unsent.append(key)
+        state.in_flight.add(key)
+
+    def _time_out(self, state: _RequestState, key: ChunkKey, now: float) -> LookupResult:
+        """No answer within the deadline: a MISS for now (asked again after its TTL); the
+        late answer, when it lands, is dropped and its lease given back."""
+        del state.pending[key]
+        state.in_flight.discard(key)
+        state.promoting.discard(key)
+        state.answers[key] = _Answer(LookupState.MISS, None, now + _MISS_TTL_S)
+        self._metrics.count(metrics.LOOKUP_TIMEOUTS)
+        logger.debug("lookup of %s timed out; computed as a miss", key.hex())
+        return LookupResult.MISS
 
     def _allowed(self, answer: _Answer, tier_filter: TierFilter) -> bool:
         """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
@@ -256,40 +284,59 @@ class TierStoreManager(OffloadingManager):
     ) -> None:
         """Runs on the channel's thread."""
         now = time.monotonic()
-        ttls = {
+        with self._lock:
+            state = self._requests.get(req_id)
+            holder = state.holder if state is not None else f"{self._id}/{req_id}"
+            # Leased for an ask given up (finished, timed out) and not held by a later one:
+            # leases are per holder, so one still in use must not be released.
+            late = []
+            if state is not None:
+                self._metrics.observe(metrics.LOOKUP_WAIT, now - asked_at)
+            for key, (answer_state, where) in zip(keys, answers, strict=True):
+                answer_state = LookupState(answer_state)
+                if state is None or key not in state.pending:
+                    if answer_state != LookupState.MISS and (
+                        state is None or key not in state.leased
+                    ):
+                        late.append(key)
+                    continue
+                state.in_flight.discard(key)
+                self._take_answer(state, key, answer_state, where, now)
+            if late:
+                self._channel.release(self._namespace, late, holder)
+
+    def _take_answer(
+        self,
+        state: _RequestState,
+        key: ChunkKey,
+        answer_state: LookupState,
+        where: dict[int, NodeId] | None,
+        now: float,
+    ) -> None:
+        """Record the Evictor's answer for ``key`` (lock held)."""
+        tier = TierName.CPU
+        if answer_state == LookupState.PENDING:  # still waiting: keeps its first ask's time
+            state.promoting.add(key)
+        else:
+            del state.pending[key]
+            if answer_state == LookupState.HIT:
+                if key in state.promoting:
+                    state.promoting.discard(key)
+                    tier = TierName.DISK
+                self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
+            else:
+                self._metrics.count(metrics.LOOKUP_MISSES)
+        ttl = {
             LookupState.HIT: self._cfg.lease_ttl_s / 2,  # re-ask well before the lease ends
             LookupState.MISS: _MISS_TTL_S,
             LookupState.PENDING: _PENDING_RETRY_S,
-        }
-        with self._lock:
-            state = self._requests.get(req_id)
-            if state is None:  # finished meanwhile: give the leases back
-                held = [
-                    k for k, a in zip(keys, answers, strict=True) if a.state != LookupState.MISS
-                ]
-                if held:
-                    self._channel.release(self._namespace, held, f"{self._id}/{req_id}")
-                return
-            self._metrics.observe(metrics.LOOKUP_WAIT, now - asked_at)
-            for key, (answer_state, where) in zip(keys, answers, strict=True):
-                answer_state = LookupState(answer_state)
-                state.pending.discard(key)
-                tier = TierName.CPU
-                if answer_state == LookupState.PENDING:
-                    state.promoting.add(key)
-                elif answer_state == LookupState.HIT:
-                    if key in state.promoting:
-                        state.promoting.discard(key)
-                        tier = TierName.DISK
-                    self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
-                else:
-                    self._metrics.count(metrics.LOOKUP_MISSES)
-                state.answers[key] = _Answer(answer_state, where, now + ttls[answer_state], tier)
-                if answer_state == LookupState.MISS:
-                    # Evicted (or never stored): let the next prepare_store offer it again.
-                    self._known_stored.pop(key, None)
-                else:
-                    state.leased.add(key)
+        }[answer_state]
+        state.answers[key] = _Answer(answer_state, where, now + ttl, tier)
+        if answer_state == LookupState.MISS:
+            # Evicted (or never stored): let the next prepare_store offer it again.
+            self._known_stored.pop(key, None)
+        else:
+            state.leased.add(key)
 
     @override
     def has_pending_work(self) -> bool:

@@ -33,6 +33,7 @@ from tierstore.keys import TierName
 PREFIX = "tierstore:"
 LOOKUP_HITS = PREFIX + "lookup_hits"
 LOOKUP_MISSES = PREFIX + "lookup_misses"
+LOOKUP_TIMEOUTS = PREFIX + "lookup_timeouts"
 LOADED_CHUNKS = PREFIX + "loaded_chunks"
 STORED_CHUNKS = PREFIX + "stored_chunks"
 LOOKUP_WAIT = PREFIX + "lookup_wait_seconds"
@@ -71,6 +72,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     counters = {
         LOOKUP_HITS: ("Chunk lookups answered HIT, by the tier that served them.", _TIER),
         LOOKUP_MISSES: ("Chunk lookups answered MISS.", ()),
+        LOOKUP_TIMEOUTS: (
+            "Chunk lookups not answered within lookup_timeout_ms (computed as misses).",
+            (),
+        ),
         LOADED_CHUNKS: ("Chunks loaded into the KV cache, by the tier that served them.", _TIER),
         STORED_CHUNKS: ("Chunks this engine stored into tierstore.", ()),
     }
