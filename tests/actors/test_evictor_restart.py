@@ -8,8 +8,8 @@ import ray
 from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tests.support import wait_for
+from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.errors import ClusterUnavailableError
