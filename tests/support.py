@@ -41,13 +41,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(check: Callable[[], T], what: str, timeout_s: float, poll_s: float = 0.05) -> T:
-    """``check()``'s first truthy value; fails the test with ``what`` after ``timeout_s``."""
+def poll(
+    check: Callable[[], T],
+    timeout_s: float,
+    poll_s: float = 0.05,
+    done: Callable[[T], object] = bool,
+) -> T:
+    """``check()``'s first value that ``done`` accepts (default: the first truthy one), or
+    its last value once ``timeout_s`` has passed: for a caller whose own assertion on the
+    value says more than a timeout message would."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
-        if value:
+        if done(value) or time.monotonic() > deadline:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never saw {what} in {timeout_s} s")
         time.sleep(poll_s)
+
+
+def wait_for(check: Callable[[], T], what: str, timeout_s: float, poll_s: float = 0.05) -> T:
+    """``check()``'s first truthy value; fails the test with ``what`` after ``timeout_s``."""
+    value = poll(check, timeout_s, poll_s)
+    if not value:
+        raise AssertionError(f"never saw {what} in {timeout_s} s (last: {value!r})")
+    return value

@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from tests.deploy.conftest import RayHead
+from tests.support import poll
 
 _CLI_TIMEOUT_S = 180
 _JOIN_TIMEOUT_S = 60  # the Evictor reconciles every 2 s; a raylet takes a few to register
@@ -72,12 +72,14 @@ def test_a_raylet_started_by_hand_gets_its_node_store(ray_head: RayHead) -> None
         text=True,
         timeout=_CLI_TIMEOUT_S,
     )
-    assert joined.returncode == 0, joined.stderr[-4000:]  # its processes use the head's
-    deadline = time.monotonic() + _JOIN_TIMEOUT_S  # temp dir: the fixture stops them too
-    nodes: list[dict[str, object]] = []
-    while len(nodes) < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-        nodes = json.loads(_tierstore(ray_head, "status", *cluster, "--json").stdout)["nodes"]
+    assert joined.returncode == 0, joined.stderr[-4000:]
+    # Its processes use the head's temp dir: the fixture stops them too.
+    nodes = poll(
+        lambda: json.loads(_tierstore(ray_head, "status", *cluster, "--json").stdout)["nodes"],
+        _JOIN_TIMEOUT_S,
+        poll_s=1,
+        done=lambda found: len(found) >= 2,
+    )
     assert len(nodes) == 2, nodes
     assert all(n["cpu"]["capacity_bytes"] == 16 << 20 for n in nodes)
     assert _tierstore(ray_head, "down", *cluster).returncode == 0
