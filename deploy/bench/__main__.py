@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tierstore.deploy.bench.common import machine_info
+from tierstore.deploy.bench.common import machine_info, private_clusters_on_loopback
 from tierstore.deploy.quiet import add_log_arguments, logs_to_file
 
 # name -> module under tierstore.deploy.bench; each has ``run(args) -> dict`` (JSON-able results)
@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_benchmark(args: argparse.Namespace) -> int:
     """Runs one benchmark with Ray's and vLLM's logs in a file (unless ``--verbose``);
     the results and the files written go to the terminal."""
+    private_clusters_on_loopback()
     args.out.mkdir(parents=True, exist_ok=True)
     log_path = None if args.verbose else args.log_file or args.out / f"{args.name}.log"
     if log_path is not None:
