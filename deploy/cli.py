@@ -12,6 +12,7 @@ from typing import Any
 
 from tierstore.deploy.bench.__main__ import add_arguments as add_bench_arguments
 from tierstore.deploy.bench.__main__ import run_benchmark
+from tierstore.deploy.quiet import add_log_arguments
 
 from tierstore.config import DEFAULT_NAMESPACE, TierStoreConfig
 from tierstore.errors import ConfigError, TierStoreError
@@ -203,14 +204,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tierstore.deploy.demo import DEMO_NAMESPACE, format_table, run_demo
+    from tierstore.deploy.demo import format_table, run_demo
+    from tierstore.deploy.quiet import default_log_path, logs_to_file
 
-    rows = run_demo()
+    log_path = None if args.verbose else args.log_file or default_log_path("demo")
+    if log_path is not None:
+        print(f"vLLM and Ray logs: {log_path}", file=sys.stderr)
+    print("starting local Ray and a vLLM engine (about a minute)", file=sys.stderr)
+    with logs_to_file(log_path) as terminal:
+        result = run_demo(progress_file=terminal.err)
     print()
-    print(format_table(rows))
+    print(format_table(result.rows))
     print()
-    print(format_status(collect_status(DEMO_NAMESPACE)))
-    return 0 if all(r["same_tokens"] for r in rows) else 1
+    print(format_status(result.status))
+    return 0 if all(r["same_tokens"] for r in result.rows) else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -242,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="local Ray + tiny Gemma 3 model, served twice")
+    add_log_arguments(demo)
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="run a benchmark (JSON and PNG plots into --out)")

@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tierstore.deploy.models import make_tiny_model
 from tierstore.deploy.passes import (
     TIERSTORE_SPEC,
     EngineSpec,
     build_llm,
+    drain,
     random_prompt,
     run_pass,
+    shutdown_engine,
     warm_up,
 )
 
@@ -41,20 +44,41 @@ def conversation_prompts(
     return prompts
 
 
+@dataclass
+class DemoResult:
+    rows: list[dict[str, Any]]  # one per request: cached tokens and TTFT in both passes
+    status: dict[str, Any]  # `tierstore status` once both passes' stores are indexed
+
+
 def run_demo(
-    models_dir: Path | None = None, cpu_bytes_per_node: int = 1 << 30
-) -> list[dict[str, Any]]:
+    models_dir: Path | None = None,
+    cpu_bytes_per_node: int = 1 << 30,
+    progress_file: TextIO | None = None,
+) -> DemoResult:
+    """Starts a local Ray cluster and one engine, runs both passes, then stops the engine
+    and Ray, in that order (nothing is left to stop at interpreter exit). Progress bars
+    go to ``progress_file`` when it is a terminal."""
     import ray
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ray.init(
         address="local", namespace=DEMO_NAMESPACE, include_dashboard=False, log_to_driver=False
     )
-    # The engine's processes join this cluster through RAY_ADDRESS.
-    os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-    root = models_dir or Path(tempfile.gettempdir()) / "tierstore-models"
-    model = make_tiny_model("gemma3", root)
-    spec = EngineSpec(
+    try:
+        # The engine's processes join this cluster through RAY_ADDRESS.
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        root = models_dir or Path(tempfile.gettempdir()) / "tierstore-models"
+        llm = build_llm(_engine_spec(make_tiny_model("gemma3", root), cpu_bytes_per_node))
+        try:
+            return _serve_twice(llm, progress_file)
+        finally:
+            shutdown_engine(llm)
+    finally:
+        ray.shutdown()
+
+
+def _engine_spec(model: Path, cpu_bytes_per_node: int) -> EngineSpec:
+    return EngineSpec(
         model=str(model),
         kv_extra_config={
             **TIERSTORE_SPEC,
@@ -62,13 +86,25 @@ def run_demo(
             "namespace": DEMO_NAMESPACE,
         },
     )
-    llm = build_llm(spec)
+
+
+def _serve_twice(llm: Any, progress_file: TextIO | None) -> DemoResult:
+    from tierstore.deploy.cli import collect_status
+
     warm_up(llm)
     prompts = conversation_prompts()
     passes = [
-        run_pass(llm, prompts, max_tokens=8, reset_each=True, progress=f"pass {n + 1}")
+        run_pass(
+            llm,
+            prompts,
+            max_tokens=8,
+            reset_each=True,
+            progress=f"pass {n + 1}",
+            progress_file=progress_file,
+        )
         for n in range(2)
     ]
+    drain(llm)  # pass 2's last stores, so the status counts them
     rows = []
     for i, prompt in enumerate(prompts):
         first, second = passes[0].requests[i], passes[1].requests[i]
@@ -83,7 +119,7 @@ def run_demo(
                 "same_tokens": first.tokens == second.tokens,
             }
         )
-    return rows
+    return DemoResult(rows=rows, status=collect_status(DEMO_NAMESPACE))
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -9,10 +9,16 @@ tierstore (or be recomputed).
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TextIO
+
+logger = logging.getLogger(__name__)
 
 TIERSTORE_SPEC = {"spec_name": "TierStoreSpec", "spec_module_path": "tierstore.spec"}
 
@@ -95,21 +101,22 @@ def run_pass(
     max_tokens: int,
     reset_each: bool = False,
     progress: str | None = None,
+    progress_file: TextIO | None = None,
 ) -> PassResult:
     """One request at a time, in order, so each sees what the earlier ones stored.
 
     With ``reset_each`` the device prefix cache is emptied before every request, so every
     cached token it reports came from the offloading connector. ``progress``: a label
-    for a progress bar on a terminal.
+    for a progress bar, drawn on ``progress_file`` (default stderr) if it is a terminal.
     """
-    import sys
-
     from tqdm import tqdm
 
     params = sampling_params(max_tokens)
     result = PassResult()
-    shown = progress is not None and sys.stderr.isatty()
-    for prompt in tqdm(prompts, desc=progress, unit="request", disable=not shown):
+    bar_file = progress_file or sys.stderr
+    shown = progress is not None and bar_file.isatty()
+    bars = tqdm(prompts, desc=progress, unit="request", disable=not shown, file=bar_file)
+    for prompt in bars:
         if reset_each:
             drain(llm)
             llm.reset_prefix_cache()
@@ -177,6 +184,31 @@ def drain(llm: Any, timeout_s: float = 120.0) -> None:
             raise TimeoutError(f"engine still has connector work after {timeout_s} s")
         llm.llm_engine.step()
         time.sleep(0.005)  # mostly waiting on transfer threads: leave them the cores
+
+
+def shutdown_engine(llm: Any, timeout_s: float = 60.0) -> None:
+    """Stop the engine's processes now, in order, instead of at interpreter exit.
+
+    vLLM stops an engine core process with SIGTERM. Where tierstore's connector has
+    joined Ray, Ray's failure-signal handler in that process answers SIGTERM with a
+    ``*** SIGTERM received ***`` stack dump before vLLM's own handler shuts the engine
+    down cleanly: an orderly stop that reads as a crash. The engine core answers SIGINT
+    with the same clean shutdown, and Ray's handler does not watch SIGINT; so each engine
+    core process gets SIGINT and is waited for (its workers stop with it), and vLLM's
+    shutdown then finds nothing left to terminate (it still terminates what did not exit
+    within ``timeout_s``; its client logs that the engine core "exited unexpectedly": it
+    did not stop it itself). Blocks until the processes are gone.
+    """
+    client = llm.llm_engine.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes = [p for p in getattr(manager, "processes", []) if p.is_alive()]
+    logger.info("stopping the engine core (%d process(es)) with SIGINT", len(processes))
+    for proc in processes:
+        os.kill(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    client.shutdown()
 
 
 def run_passes(

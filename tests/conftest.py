@@ -1,5 +1,16 @@
-"""Test-wide settings: Ray's auth mode is set explicitly (Ray 2.60 turns token auth on)."""
+"""Test-wide settings, inherited by every process the tests start (`ray start`, engines,
+benchmarks): Ray's auth mode is set explicitly (Ray 2.60 turns token auth on), and every
+Ray cluster listens on loopback only.
+
+Ray 2.60 binds its servers (GCS, raylets, workers, agents) to the node's IP, and turns a
+``127.0.0.1`` given as ``_node_ip_address`` or ``--node-ip-address`` into the machine's
+routable IP (``resolve_ip_for_localhost``); so does a driver's ``address=127.0.0.1:port``.
+With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` its node IP detection answers 127.0.0.1
+instead (what it does on macOS and Windows). Ray reads it when it is imported: before any
+test module imports Ray.
+"""
 
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

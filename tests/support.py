@@ -10,6 +10,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Every cluster the tests start listens here only (tests/conftest.py says how).
+LOOPBACK = "127.0.0.1"
+
 # Ray's own tests shorten failure detection like this (ray-notes.md): a removed node is
 # declared dead in well under a second instead of ~14 s.
 FAST_HEALTH_CHECKS = {
@@ -28,9 +31,13 @@ def simulated_cluster(n_nodes: int, namespace: str, head_cpus: int = 0) -> tuple
 
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": head_cpus, "_system_config": FAST_HEALTH_CHECKS},
+        head_node_args={
+            "num_cpus": head_cpus,
+            "node_ip_address": LOOPBACK,
+            "_system_config": FAST_HEALTH_CHECKS,
+        },
     )
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(n_nodes)]
+    nodes = [cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK) for _ in range(n_nodes)]
     ray.init(address=cluster.address, namespace=namespace, log_to_driver=False)
     return cluster, nodes
 
@@ -41,13 +48,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(check: Callable[[], T], what: str, timeout_s: float, poll_s: float = 0.05) -> T:
-    """``check()``'s first truthy value; fails the test with ``what`` after ``timeout_s``."""
+def poll(
+    check: Callable[[], T],
+    timeout_s: float,
+    poll_s: float = 0.05,
+    done: Callable[[T], object] = bool,
+) -> T:
+    """``check()``'s first value that ``done`` accepts (default: the first truthy one), or
+    its last value once ``timeout_s`` has passed: for a caller whose own assertion on the
+    value says more than a timeout message would."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
-        if value:
+        if done(value) or time.monotonic() > deadline:
             return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never saw {what} in {timeout_s} s")
         time.sleep(poll_s)
+
+
+def wait_for(check: Callable[[], T], what: str, timeout_s: float, poll_s: float = 0.05) -> T:
+    """``check()``'s first truthy value; fails the test with ``what`` after ``timeout_s``."""
+    value = poll(check, timeout_s, poll_s)
+    if not value:
+        raise AssertionError(f"never saw {what} in {timeout_s} s (last: {value!r})")
+    return value

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tierstore.deploy.bench.common import machine_info
+from tierstore.deploy.bench.common import machine_info, private_clusters_on_loopback
+from tierstore.deploy.quiet import add_log_arguments, logs_to_file
 
 # name -> module under tierstore.deploy.bench; each has ``run(args) -> dict`` (JSON-able results)
 # and may have ``plot(results, out_dir) -> list[Path]`` (PNG files it wrote).
@@ -49,20 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--disk-root", type=Path, default=None, help="where to write (disk)")
+    add_log_arguments(parser)  # default log file: OUT/NAME.log
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
+    """Runs one benchmark with Ray's and vLLM's logs in a file (unless ``--verbose``);
+    the results and the files written go to the terminal."""
+    private_clusters_on_loopback()
     args.out.mkdir(parents=True, exist_ok=True)
-    before = machine_info()
-    results = _run(args.name, args)
-    results["machine"] = before | {"load_avg_1m_after": machine_info()["load_avg_1m"]}
-    path = args.out / f"{args.name}.json"
-    path.write_text(json.dumps(results, indent=2))
+    log_path = None if args.verbose else args.log_file or args.out / f"{args.name}.log"
+    if log_path is not None:
+        print(f"logs: {log_path.resolve()}", file=sys.stderr)
+    with logs_to_file(log_path):
+        before = machine_info()
+        results = _run(args.name, args)
+        results["machine"] = before | {"load_avg_1m_after": machine_info()["load_avg_1m"]}
+        path = args.out / f"{args.name}.json"
+        path.write_text(json.dumps(results, indent=2))
+        written = [path]
+        plot = getattr(importlib.import_module(BENCHMARKS[args.name]), "plot", None)
+        if plot is not None:
+            written += plot(results, args.out)
     print(json.dumps(results, indent=2))
-    written = [path]
-    plot = getattr(importlib.import_module(BENCHMARKS[args.name]), "plot", None)
-    if plot is not None:
-        written += plot(results, args.out)
     for file in written:
         print(f"wrote {file.resolve()}", file=sys.stderr)
     return 0

@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+
+logger = logging.getLogger(__name__)
+
+# Ray 2.60 binds its servers to the node IP and resolves a node IP of 127.0.0.1 to the
+# machine's routable one; with this setting, its node IP detection answers 127.0.0.1.
+_LOOPBACK_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def private_clusters_on_loopback() -> None:
+    """A benchmark run by hand starts its own Ray cluster(s): keep them on 127.0.0.1 only
+    (the engines' processes inherit the setting). Under a job (``RAY_ADDRESS``) the
+    cluster's nodes keep their own IPs. Ray reads the setting when it is imported, so call
+    this first."""
+    name, value = _LOOPBACK_ENV
+    if os.environ.get("RAY_ADDRESS") or os.environ.get(name) == value:
+        return
+    if "ray._private.ray_constants" in sys.modules:
+        logger.warning("Ray is already imported: its private clusters listen on every address")
+        return
+    os.environ[name] = value
 
 
 @contextmanager

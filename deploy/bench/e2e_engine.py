@@ -24,6 +24,7 @@ from tierstore.deploy.passes import (
     drain,
     run_request,
     sampling_params,
+    shutdown_engine,
     warm_up,
 )
 
@@ -81,11 +82,14 @@ def main() -> None:
 
         # Only to read the counters; the engine's own processes joined on their own.
         ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, log_to_driver=False)
-    warm_up(llm)
-    results = {
-        name: run_workload(llm, w["kind"], w["params"], plan["max_tokens"], namespace)
-        for name, w in plan["workloads"].items()
-    }
+    try:
+        warm_up(llm)
+        results = {
+            name: run_workload(llm, w["kind"], w["params"], plan["max_tokens"], namespace)
+            for name, w in plan["workloads"].items()
+        }
+    finally:
+        shutdown_engine(llm)  # now, in order: not at interpreter exit
     Path(sys.argv[2]).write_text(json.dumps(results))
 
 

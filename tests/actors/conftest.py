@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 from tierstore.actors.bootstrap import shutdown_actors
 
+from tests.support import LOOPBACK
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-actor-tests"
@@ -16,7 +17,13 @@ NAMESPACE = "tierstore-actor-tests"
 def ray_local() -> Iterator[None]:
     import ray
 
-    ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        namespace=NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address=LOOPBACK,
+    )
     yield
     ray.shutdown()
 

@@ -10,7 +10,7 @@ from ray.cluster_utils import Cluster
 from tierstore.actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
 from tierstore.actors.placement import node_store_name
 
-from tests.support import simulated_cluster, wait_for
+from tests.support import LOOPBACK, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace
@@ -46,7 +46,7 @@ def test_every_node_gets_a_node_store_and_a_lost_node_takes_its_chunks(cluster: 
     assert len(nodes) == 2 and all(_has_store(n) for n in nodes)
 
     # A node that joins later gets its NodeStore without anyone running `tierstore up`.
-    joined = cluster.add_node(num_cpus=1)
+    joined = cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
     assert wait_for(lambda: _has_store(joined.node_id), "a NodeStore on the new node", _WAIT_S)
     evictor = get_or_create_evictor(cfg)
     assert wait_for(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor, s
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
+from tests.support import poll
+from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.vllm.transfer_specs import StoreSpec
@@ -47,12 +47,7 @@ def _store_chunks(worker, n: int, start: int = 0) -> list:  # type: ignore[no-un
 
 
 def _wait_status(cfg: TierStoreConfig, check, timeout: float = 10.0) -> dict:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        status = collect_status(cfg.namespace)
-        if check(status) or time.monotonic() > deadline:
-            return status
-        time.sleep(0.05)
+    return poll(lambda: collect_status(cfg.namespace), timeout, done=check)
 
 
 def test_cold_chunks_go_to_disk_and_come_back_exact(disk_cfg: TierStoreConfig) -> None:
@@ -108,13 +103,12 @@ def test_flipped_and_truncated_files_become_misses_and_are_counted(
     flipped.write_bytes(bytes(raw))
     os.truncate(truncated, truncated.stat().st_size - 3)
 
-    deadline = time.monotonic() + 10
-    states: list[LookupState] = []
-    while time.monotonic() < deadline:
-        states = _lookup(disk_cfg, keys[:2])
-        if states == [LookupState.MISS, LookupState.MISS]:
-            break
-        time.sleep(0.02)
+    states = poll(
+        lambda: _lookup(disk_cfg, keys[:2]),
+        10,
+        poll_s=0.02,
+        done=lambda s: s == [LookupState.MISS, LookupState.MISS],
+    )
     assert states == [LookupState.MISS, LookupState.MISS]
     status = collect_status(disk_cfg.namespace)
     assert status["totals"]["corrupt_before_hit"] == 2

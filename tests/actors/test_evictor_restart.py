@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import ray
 from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
-from tests.support import wait_for
+from tests.support import poll, wait_for
+from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.errors import ClusterUnavailableError
@@ -27,20 +25,18 @@ def test_killed_evictor_restarts_and_reindexes_every_chunk(cfg: TierStoreConfig)
     assert ray.get(evictor.status.remote())["chunks"] == 5
 
     ray.kill(evictor, no_restart=False)
+
     # Wait until the restarted Evictor answers HITs again. Ray may deliver the kill more
     # than once (a second restart, seen under load): each incarnation rebuilds the index
     # from the NodeStores within one reconcile period, so only the end state matters.
-    deadline = time.monotonic() + 90
-    states: list[LookupState] = []
-    while time.monotonic() < deadline:
+    def states() -> list[LookupState]:
         try:
-            states = _lookup(cfg, keys, ttl=1.0)
+            return _lookup(cfg, keys, ttl=1.0)
         except ray.exceptions.RayError:  # unavailable while it restarts
-            states = []
-        if states == [LookupState.HIT] * 5:
-            break
-        time.sleep(0.2)
-    assert states == [LookupState.HIT] * 5, "the restarted Evictor did not rebuild its index"
+            return []
+
+    found = poll(states, 90, poll_s=0.2, done=lambda s: s == [LookupState.HIT] * 5)
+    assert found == [LookupState.HIT] * 5, "the restarted Evictor did not rebuild its index"
 
     def indexed() -> int:  # a second delivery of the kill may restart it once more
         try:

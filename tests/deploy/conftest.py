@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support import free_port
+from tests.support import LOOPBACK, free_port
 
 _START_TIMEOUT_S = 180
 _STOP_GRACE_S = 10
@@ -76,6 +76,7 @@ def ray_head() -> Iterator[RayHead]:
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the job's `python`
     gcs_port, dashboard_port = free_port(), free_port()
     cmd = [os.path.join(bin_dir, "ray"), "start", "--head", "--disable-usage-stats"]
+    cmd += ["--node-ip-address", LOOPBACK]
     cmd += ["--port", str(gcs_port), "--num-cpus", "2", "--temp-dir", str(temp_dir)]
     cmd += ["--dashboard-port", str(dashboard_port), "--include-dashboard=true"]
     cmd += ["--dashboard-agent-listen-port", str(free_port())]

@@ -6,13 +6,30 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from tests.deploy.conftest import RayHead
+from tests.support import poll
 
 _CLI_TIMEOUT_S = 180
 _JOIN_TIMEOUT_S = 60  # the Evictor reconciles every 2 s; a raylet takes a few to register
 NAMESPACE = "tierstore-cli-test"
+
+# `ray start`, with the one check that keeps it off loopback lifted. tests/conftest.py keeps
+# every cluster on 127.0.0.1 with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, and Ray 2.60's
+# `ray start --address` refuses to add a node under that setting (it would say 127.0.0.1
+# otherwise, as the head does); turned back on, the same flag makes Ray resolve 127.0.0.1
+# to the machine's routable IP. So the flag is set and the node IP is pinned to loopback.
+_RAY_START_ON_LOOPBACK = """
+import sys
+import ray._private.ray_constants as constants
+import ray._private.services as services
+from ray.scripts.scripts import main
+
+constants.ENABLE_RAY_CLUSTER = True
+services.get_node_ip_address = lambda address=None: "127.0.0.1"
+sys.argv[0] = "ray"
+sys.exit(main())
+"""
 
 
 def _tierstore(head: RayHead, *args: str) -> subprocess.CompletedProcess[str]:
@@ -64,20 +81,22 @@ def test_a_raylet_started_by_hand_gets_its_node_store(ray_head: RayHead) -> None
     cluster = (f"--address=127.0.0.1:{ray_head.gcs_port}", f"--namespace={NAMESPACE}-join")
     up = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=16MiB")
     assert up.returncode == 0, up.stderr[-4000:]
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    ray_start = [sys.executable, "-c", _RAY_START_ON_LOOPBACK, "start"]
     joined = subprocess.run(
-        [ray_cli, "start", f"--address=127.0.0.1:{ray_head.gcs_port}", "--num-cpus=1"],
+        [*ray_start, f"--address=127.0.0.1:{ray_head.gcs_port}", "--num-cpus=1"],
         env=ray_head.env,
         capture_output=True,
         text=True,
         timeout=_CLI_TIMEOUT_S,
     )
-    assert joined.returncode == 0, joined.stderr[-4000:]  # its processes use the head's
-    deadline = time.monotonic() + _JOIN_TIMEOUT_S  # temp dir: the fixture stops them too
-    nodes: list[dict[str, object]] = []
-    while len(nodes) < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-        nodes = json.loads(_tierstore(ray_head, "status", *cluster, "--json").stdout)["nodes"]
+    assert joined.returncode == 0, joined.stderr[-4000:]
+    # Its processes use the head's temp dir: the fixture stops them too.
+    nodes = poll(
+        lambda: json.loads(_tierstore(ray_head, "status", *cluster, "--json").stdout)["nodes"],
+        _JOIN_TIMEOUT_S,
+        poll_s=1,
+        done=lambda found: len(found) >= 2,
+    )
     assert len(nodes) == 2, nodes
     assert all(n["cpu"]["capacity_bytes"] == 16 << 20 for n in nodes)
     assert _tierstore(ray_head, "down", *cluster).returncode == 0

@@ -17,6 +17,8 @@ import pytest
 from tierstore.deploy.models import ENGINE_LIMITS, make_tiny_model
 from tierstore.deploy.passes import TIERSTORE_SPEC, random_prompt
 
+from tests.support import LOOPBACK
+
 REPO = Path(__file__).resolve().parents[2]
 RAY_NAMESPACE = "tierstore-e2e"
 CPU_BYTES = 1 << 30
@@ -72,7 +74,13 @@ def ray_cluster() -> Iterator[str]:
     import ray
 
     # "local" starts a fresh cluster even if another runs on this machine.
-    ray.init(address="local", namespace=RAY_NAMESPACE, include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address=LOOPBACK,
+    )
     address = ray.get_runtime_context().gcs_address
     yield address
     ray.shutdown()

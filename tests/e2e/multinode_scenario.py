@@ -30,7 +30,7 @@ from tierstore.deploy.cli import collect_status
 from tierstore.deploy.engine_actor import start_engine_on
 from tierstore.deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 
-from tests.support import simulated_cluster
+from tests.support import simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-multinode"
@@ -50,14 +50,15 @@ def _evictor() -> ray.actor.ActorHandle:
 def _wait_for(check: Callable[[dict[str, Any]], bool], what: str) -> float:
     """Seconds until the Evictor's status satisfies ``check``."""
     started = time.monotonic()
-    while time.monotonic() - started < _WAIT_TIMEOUT_S:
+
+    def satisfied() -> bool:
         try:
-            if check(ray.get(_evictor().status.remote(), timeout=10)):
-                return time.monotonic() - started
+            return check(ray.get(_evictor().status.remote(), timeout=10))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass  # restarting
-        time.sleep(0.2)
-    raise TimeoutError(f"{what}: not after {_WAIT_TIMEOUT_S} s")
+            return False  # restarting
+
+    wait_for(satisfied, what, _WAIT_TIMEOUT_S, poll_s=0.2)
+    return time.monotonic() - started
 
 
 def main(model: str, out_path: str) -> None:

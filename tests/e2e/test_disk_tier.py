@@ -83,7 +83,7 @@ def separate_cluster() -> Iterator[Any]:
                 sys.executable,
                 "-c",
                 "import ray, sys\n"
-                "ray.init(address='local', include_dashboard=False)\n"
+                "ray.init(address='local', include_dashboard=False, _node_ip_address='127.0.0.1')\n"
                 "print(ray.get_runtime_context().gcs_address, flush=True)\n"
                 "sys.stdin.read()\n",
             ],

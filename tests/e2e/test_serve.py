@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -31,8 +30,10 @@ from tests.e2e.conftest import (
     REPO,
     tierstore_extra,
 )
-from tests.support import free_port
+from tests.support import free_port, poll, wait_for
 from tierstore.errors import ConfigError
+
+pytestmark = pytest.mark.e2e
 
 PROMPT = random_prompt(1000, seed=53)  # no other test uses it: the first request is cold
 _READY_TIMEOUT_S = 600  # about a minute alone; several on a loaded CI machine
@@ -59,16 +60,16 @@ def _get(url: str) -> str:
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + _READY_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode} before it was ready")
         try:
             urllib.request.urlopen(base + "/health", timeout=5).close()
-            return
+            return True
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    raise AssertionError(f"server not healthy after {_READY_TIMEOUT_S} s")
+            return False
+
+    wait_for(healthy, "the server healthy", _READY_TIMEOUT_S, poll_s=1)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -139,10 +140,7 @@ def _drain(base: str) -> None:
 def _reset(base: str, external: bool) -> None:
     """Retried: it fails while blocks are held, e.g. by stores still in flight."""
     url = base + "/reset_prefix_cache" + ("?reset_external=true" if external else "")
-    deadline = time.monotonic() + _RESET_TIMEOUT_S
-    while not _post(url)["success"]:
-        assert time.monotonic() < deadline, f"{url} kept failing for {_RESET_TIMEOUT_S} s"
-        time.sleep(0.5)
+    wait_for(lambda: _post(url)["success"], f"{url} succeed", _RESET_TIMEOUT_S, poll_s=0.5)
 
 
 def _tierstore_hits(base: str) -> dict[str, float]:
@@ -238,16 +236,22 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         _reset(base, external=True)  # the connector forgets its view; the chunks stay
         warm = _complete(base, model, PROMPT)
         after = collect_status(RAY_NAMESPACE)["totals"]
-        deadline = time.monotonic() + _METRICS_TIMEOUT_S
-        while not any(_tierstore_hits(base).values()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        hits = _tierstore_hits(base)
+        hits = poll(
+            lambda: _tierstore_hits(base),
+            _METRICS_TIMEOUT_S,
+            poll_s=0.5,
+            done=lambda found: any(found.values()),
+        )
+
         # tierstore's residency changes reach the engine's KV-event stream once its manager
         # has polled the Evictor (at most once a second, on a scheduler step).
-        deadline = time.monotonic() + _METRICS_TIMEOUT_S
-        while not kv_events.offloaded() and time.monotonic() < deadline:
+        def stepped_offloaded() -> object:
+            if kv_events.offloaded():
+                return kv_events.offloaded()
             _complete(base, model, PROMPT[:64])  # a step, so the manager polls and drains
-            time.sleep(1.0)
+            return None
+
+        poll(stepped_offloaded, _METRICS_TIMEOUT_S, poll_s=1.0)
         kv_events.close()
         offloaded = kv_events.offloaded()
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 import torch
@@ -11,7 +9,7 @@ from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.support import wait_for
+from tests.support import poll, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.data.layout import ChunkLayout
@@ -46,10 +44,12 @@ def _keys(n: int, group: int, start: int = 0) -> list[ChunkKey]:
 
 def _drain(worker: TierStoreWorker, n_jobs: int) -> list[int]:
     done: list[int] = []
-    deadline = time.monotonic() + 30
-    while len(done) < n_jobs and time.monotonic() < deadline:
-        done += [r.job_id for r in worker.get_finished() if r.success]
-        time.sleep(0.01)
+
+    def all_done() -> bool:
+        done.extend(r.job_id for r in worker.get_finished() if r.success)
+        return len(done) >= n_jobs
+
+    poll(all_done, 30, poll_s=0.01)
     return done
 
 
@@ -69,13 +69,14 @@ def _lookup(cfg: TierStoreConfig, keys: list[ChunkKey], ttl: float = 30.0) -> li
 def _load_spec(cfg: TierStoreConfig, keys: list[ChunkKey]) -> LoadSpec:
     """Look the keys up until every one is a HIT (promotions from disk take a moment)."""
     evictor = get_or_create_evictor(cfg)
-    deadline = time.monotonic() + 10
-    while True:
-        answers = ray.get(evictor.lookup.remote(NS, keys, "test", 30.0))
-        if all(LookupState(a[0]) is LookupState.HIT for a in answers):
-            return LoadSpec.build(NS, keys, [a[1] for a in answers])
-        assert time.monotonic() < deadline, answers
-        time.sleep(0.02)
+    answers = poll(
+        lambda: ray.get(evictor.lookup.remote(NS, keys, "test", 30.0)),
+        10,
+        poll_s=0.02,
+        done=lambda found: all(LookupState(a[0]) is LookupState.HIT for a in found),
+    )
+    assert all(LookupState(a[0]) is LookupState.HIT for a in answers), answers
+    return LoadSpec.build(NS, keys, [a[1] for a in answers])
 
 
 def test_store_then_load_into_other_blocks_is_byte_exact(cfg: TierStoreConfig) -> None:

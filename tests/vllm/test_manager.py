@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.base import (
     TierMatcher,
 )
 
-from tests.support import wait_for
+from tests.support import poll, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ShardOffer
 from tierstore.keys import ChunkKey, Namespace, NodeId
@@ -49,13 +49,11 @@ def _evictor_holding(cfg: TierStoreConfig, *keys: ChunkKey) -> tuple[ray.actor.A
 
 
 def _settle(manager: TierStoreManager, key: ChunkKey, ctx: ReqContext) -> LookupResult:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def resolved() -> LookupResult | None:
         result = manager.lookup(key, ctx)
-        if result is not LookupResult.RETRY:
-            return result
-        time.sleep(0.005)
-    raise AssertionError("lookup never resolved")
+        return result if result is not LookupResult.RETRY else None
+
+    return wait_for(resolved, "the lookup resolved", 10, poll_s=0.005)
 
 
 def test_lookup_answers_retry_then_hit_and_leases_until_complete_load(cfg: TierStoreConfig) -> None:
@@ -72,19 +70,19 @@ def test_lookup_answers_retry_then_hit_and_leases_until_complete_load(cfg: TierS
 
     spec = manager.prepare_load([_key(1)], ctx)
     assert isinstance(spec, LoadSpec) and spec.keys == (_key(1),) and spec.nodes == (node,)
-    time.sleep(0.2)  # the lease extension is one-way; let it land
-    assert ray.get(evictor.status.remote())["totals"]["hits"] == 1
+    # The lease extension is one-way; the HIT was counted (and leased) by the lookup.
+    hits = poll(lambda: ray.get(evictor.status.remote())["totals"]["hits"], 10, done=lambda n: n)
+    assert hits == 1
     # Leased: the chunk cannot be evicted to make room.
     accepted, _ = ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 950)]))
     assert accepted == [False]
     manager.complete_load([_key(1)], ctx)
     manager.on_request_finished(ctx)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        accepted, _ = ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 950)]))
-        if accepted == [True]:
-            break
-        time.sleep(0.05)
+    accepted = poll(
+        lambda: ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 950)]))[0],
+        5,
+        done=lambda a: a == [True],
+    )
     assert accepted == [True]
     assert ray.get(evictor.status.remote())["totals"]["loaded_chunks"] == 1
     manager.shutdown()
