@@ -12,7 +12,7 @@ from tests.actors.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spe
 from tests.support import wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
-from tierstore.errors import ClusterUnavailableError
+from tierstore.errors import ClusterUnavailableError, TierStoreError
 from tierstore.vllm.transfer_specs import StoreSpec
 
 
@@ -35,7 +35,7 @@ def test_killed_evictor_restarts_and_reindexes_every_chunk(cfg: TierStoreConfig)
     while time.monotonic() < deadline:
         try:
             states = _lookup(cfg, keys, ttl=1.0)
-        except ray.exceptions.RayError:  # unavailable while it restarts
+        except (ray.exceptions.RayError, TierStoreError):  # unavailable while it restarts
             states = []
         if states == [LookupState.HIT] * 5:
             break
