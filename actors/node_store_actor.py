@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 _REGISTER_TIMEOUT_S = 30.0
 _ADMIT_TIMEOUT_S = 30.0
 _RESTORE_TIMEOUT_S = 120.0
+# Pulling a job or replica buffer from its producer's object store: milliseconds on one
+# node, a transfer across nodes; a producer that died leaves the ref unresolvable.
+_BUFFER_TIMEOUT_S = 60.0
 
 
 class RayEvictorPort:
@@ -149,7 +152,7 @@ class NodeStore:
     ) -> int:
         # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
         # zero-copy, and let the core copy out what it keeps.
-        buffer = ray.get(buffer_ref[0])
+        buffer = ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S)
         shards = [ShardEntry(*e) for e in entries]
         try:
             return self._core.store(namespace, rank, world_size, shards, buffer)
@@ -180,7 +183,16 @@ class NodeStore:
         self, shards: list[tuple[ShardId, ShardMeta]], buffer_ref: list[ray.ObjectRef]
     ) -> None:
         received = [(shard_id_of(s), meta) for s, meta in shards]
-        self._core.accept_replicas(received, ray.get(buffer_ref[0]))
+        try:
+            buffer = ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S)
+        except Exception:  # one-way: nobody else would hear of it
+            logger.warning(
+                "replica buffer unreadable; %d replicas not kept", len(shards), exc_info=True
+            )
+            failed = [shard_id for shard_id, _ in received]
+            self._evictor.replicated(self._node_id, [], failed)  # one-way
+            return
+        self._core.accept_replicas(received, buffer)
 
     def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()
