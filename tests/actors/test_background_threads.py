@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import ray
-from tierstore.actors.bootstrap import get_or_create_evictor
-from tierstore.actors.clients import EvictorClient
+from tierstore.actors.bootstrap import get_or_create_evictor, get_or_create_node_store
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 
 from tests.support import wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupAnswer, LookupState, ShardOffer
+from tierstore.control.index import LookupAnswer, LookupState, NodeActions, ShardOffer
+from tierstore.data.checksum import digest
 from tierstore.keys import ChunkKey, Namespace
+from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.evictor_channel import EvictorChannel
 
 NS = Namespace("threads-test")
@@ -58,3 +61,16 @@ def test_a_failed_reconcile_does_not_stop_the_evictor_ticker(cfg: TierStoreConfi
         lambda: reconciles()["done"] > failed["done"], "a reconcile after the failure", _WAIT_S
     )
     assert reconciles()["failed"] == 1
+
+
+def test_a_failed_deferred_apply_does_not_stop_the_node_store(cfg: TierStoreConfig) -> None:
+    """``apply`` (the Evictor's decisions and the NodeStore's own deferred work) is one-way:
+    a bad one is logged and counted, and the NodeStore keeps storing."""
+    node = ray.get_runtime_context().get_node_id()
+    store = NodeStoreClient(get_or_create_node_store(cfg, node), node)
+    malformed = NodeActions(drop=[("not a shard id",)])  # type: ignore[list-item]
+    assert store.apply(malformed).result() is None
+    assert store.status().result()["apply_failures"] == 1
+    data = np.arange(100, dtype=np.uint8)
+    entries = [ShardEntry(KEY, 0, data.nbytes, digest(data), 1)]
+    assert store.store(NS, 0, 1, entries, data).result() == 1
