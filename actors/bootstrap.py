@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 _START_LOCK = Path(tempfile.gettempdir()) / "tierstore-ray-start.lock"
 _GRACE_S = 5.0  # given to an actor's __ray_terminate__ before it is killed
 _PROBE_TIMEOUT_S = 5.0  # a GCS that does not accept a TCP connection by then is not there
+# Starting every actor: a process per actor, and a NodeStore re-indexes its disk tier
+# first; minutes on a loaded machine, never forever.
+_START_TIMEOUT_S = 300.0
 
 
 def connect(cfg: TierStoreConfig) -> None:
@@ -158,7 +161,7 @@ def start_actors(cfg: TierStoreConfig) -> list[ray.ObjectRef]:
 
 def ensure_actors(cfg: TierStoreConfig) -> None:
     """Evictor plus one NodeStore on every alive node; returns once all answer."""
-    ray.get(start_actors(cfg))
+    ray.get(start_actors(cfg), timeout=_START_TIMEOUT_S)
 
 
 def shutdown_actors(namespace: str) -> int:

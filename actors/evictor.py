@@ -14,6 +14,8 @@ import threading
 import time
 
 import ray
+from tierstore.actors.calls import held_of, offers_of, shard_ids_of
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
 from tierstore.config import TierStoreConfig
@@ -33,6 +35,9 @@ logger = logging.getLogger(__name__)
 # How often the Evictor reconciles NodeStores with Ray's alive nodes. Ray itself marks
 # a lost node dead after ~14 s of failed health checks, so polling faster gains little.
 _RECONCILE_PERIOD_S = 2.0
+# The ticker waits for each reconcile (so they never pile up behind a slow one); one that
+# takes longer than this is counted as failed and the next is sent.
+_RECONCILE_TIMEOUT_S = 60.0
 
 
 class Evictor:
@@ -50,20 +55,27 @@ class Evictor:
         self._events = EventLog()
         self._store_ids: dict[NodeId, str] = {}  # node -> the NodeStore that registered it
         self._stop = threading.Event()
-        me = ray.get_runtime_context().current_actor
-        # The thread only enqueues calls to this actor: all index work stays on the
-        # actor's own thread, so nothing here needs a lock.
+        self._reconciles = 0  # done, on the actor's thread
+        self._reconcile_failures = 0  # counted on the ticker's thread
+        self._fail_next_reconcile = False
+        me = EvictorClient(ray.get_runtime_context().current_actor, _RECONCILE_TIMEOUT_S)
+        # The thread only sends calls to this actor and waits for them: all index work
+        # stays on the actor's own thread, so nothing here needs a lock.
         self._ticker = threading.Thread(
             target=self._tick, args=(me,), name="tierstore-reconcile", daemon=True
         )
         self._ticker.start()
 
-    def _tick(self, me: ray.actor.ActorHandle) -> None:
+    def _tick(self, me: EvictorClient) -> None:
+        """The ticker thread: a failed reconcile is logged and counted, never its end."""
         while not self._stop.wait(_RECONCILE_PERIOD_S):
             try:
-                me.reconcile.remote()
-            except Exception:  # the actor is going away
-                return
+                me.reconcile().result()
+            except Exception:
+                self._reconcile_failures += 1
+                logger.warning(
+                    "reconcile failed; the next runs in %s s", _RECONCILE_PERIOD_S, exc_info=True
+                )
 
     def reconcile(self) -> dict[str, list[str]]:
         """Place NodeStores on new nodes; forget the chunks of nodes that left.
@@ -76,6 +88,9 @@ class Evictor:
         # (units name each other by id): keep the cyclic GC from re-scanning them.
         # Measured 1.2-1.45x more admits/s at 1e5 chunks. Refcounting still frees them.
         gc.freeze()
+        if self._fail_next_reconcile:
+            self._fail_next_reconcile = False
+            raise RuntimeError("reconcile failed on purpose (fail_next_reconcile_for_test)")
         alive = alive_node_ids()
         known = set(self._index.nodes())
         started = []
@@ -87,12 +102,17 @@ class Evictor:
                 started.append(node_id)
                 continue
             if node_id not in known:
-                store.reregister.remote()
+                NodeStoreClient(store, node_id).reregister()  # one-way
         gone = sorted(known - alive)
         for node_id in gone:
             logger.warning("node %s left the cluster; forgetting its chunks", node_id)
             self.forget_node(node_id)
+        self._reconciles += 1
         return {"started": started, "forgotten": gone}
+
+    def fail_next_reconcile_for_test(self) -> None:
+        """Make the next reconcile raise (tests prove the ticker outlives it)."""
+        self._fail_next_reconcile = True
 
     def register_node(
         self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, store_id: str | None = None
@@ -111,7 +131,7 @@ class Evictor:
         self._index.register_node(node, cpu_bytes, disk_bytes)
 
     def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
-        shard_offers = [ShardOffer(*o) for o in offers]
+        shard_offers = offers_of(offers)
         result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
         admitted = [_shard_of(o) for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
         self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
@@ -120,7 +140,7 @@ class Evictor:
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]:
-        shards = [(ShardOffer(*o), TierName(t)) for o, t in held]
+        shards = held_of(held)
         accepted, actions = self._index.restore(
             NodeId(node_id),
             shards,
@@ -227,6 +247,7 @@ class Evictor:
             },
             "chunks": len(self._index),
             "totals": dict(vars(self._index.stats)),
+            "reconciles": {"done": self._reconciles, "failed": self._reconcile_failures},
         }
 
     def _send(self, actions: Actions, keep: NodeId | None = None) -> NodeActions:
@@ -244,7 +265,7 @@ class Evictor:
             except ValueError:
                 logger.warning("no NodeStore for node %s; its actions are lost", node)
                 continue
-            store.apply.remote(node_actions)
+            NodeStoreClient(store, node).apply(node_actions)  # one-way
         return own
 
     def _record_actions(self, node: NodeId, actions: NodeActions) -> None:
@@ -262,5 +283,4 @@ def _shard_of(offer: ShardOffer) -> ShardId:
     return ShardId(offer.namespace, offer.key, offer.rank)
 
 
-def _ids(shard_ids: list[ShardId]) -> list[ShardId]:
-    return [ShardId(Namespace(n), ChunkKey(k), int(r)) for n, k, r in shard_ids]
+_ids = shard_ids_of  # ShardIds arrive as plain tuples (see tierstore.actors.calls)

@@ -1,4 +1,4 @@
-"""The NodeStore actor: Ray around :class:`~tierstore.actors.node_store.NodeStoreCore`."""
+"""The NodeStore actor: Ray around :class:`~tierstore.store.node_store.NodeStoreCore`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import IO
 
 import numpy as np
 import ray
+from tierstore.actors.calls import node_actions_of, shard_id_of
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.names import node_store_name
-from tierstore.actors.node_store import NodeStoreCore, ShardEntry
 
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
@@ -20,47 +21,60 @@ from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.store.node_store import NodeStoreCore, ShardEntry
 
 logger = logging.getLogger(__name__)
 
 
-class RayEvictorPort:
-    """The Evictor actor seen from a NodeStore: admits wait, reports are one-way."""
+# Deadlines of the calls a NodeStore waits on. The Evictor answers in milliseconds; these
+# bound a store while it is stuck or restarting (the worker's own transfer deadline is
+# what fails the job). A restore offers a node's whole inventory, so it gets longer.
+_REGISTER_TIMEOUT_S = 30.0
+_ADMIT_TIMEOUT_S = 30.0
+_RESTORE_TIMEOUT_S = 120.0
+# Pulling a job or replica buffer from its producer's object store: milliseconds on one
+# node, a transfer across nodes; a producer that died leaves the ref unresolvable.
+_BUFFER_TIMEOUT_S = 60.0
 
-    def __init__(self, evictor: ray.actor.ActorHandle) -> None:
+
+class RayEvictorPort:
+    """The Evictor seen from a NodeStore (an ``EvictorPort``): admits wait, reports are
+    one-way (their Pending is dropped)."""
+
+    def __init__(self, evictor: EvictorClient) -> None:
         self._evictor = evictor
 
-    def admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult:
-        accepted, actions = ray.get(self._evictor.admit.remote(node, offers))
-        return AdmitResult(accepted, {node: actions})
+    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
+        accepted, actions = self._evictor.admit(node_id, offers).result(_ADMIT_TIMEOUT_S)
+        return AdmitResult(accepted, {node_id: actions})
 
     def restore(
-        self, node: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
+        self, node_id: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]:
-        return ray.get(self._evictor.restore.remote(node, held, grace))
+        return self._evictor.restore(node_id, held, grace).result(_RESTORE_TIMEOUT_S)
 
-    def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
-        self._evictor.promoted.remote(node, done, failed)
+    def promoted(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        self._evictor.promoted(node_id, done, failed)
 
-    def forget(self, node: NodeId, shard_ids: list[ShardId]) -> None:
-        self._evictor.forget_shards.remote(node, shard_ids)
+    def forget_shards(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
+        self._evictor.forget_shards(node_id, shard_ids)
 
-    def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None:
-        self._evictor.report_corrupt_after_hit.remote(node, shard_ids)
+    def report_corrupt_after_hit(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
+        self._evictor.report_corrupt_after_hit(node_id, shard_ids)
 
-    def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
-        self._evictor.replicated.remote(node, done, failed)
+    def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        self._evictor.replicated(node_id, done, failed)
 
 
 class RayPeers:
-    """Other nodes' NodeStores seen from this one. A push is one-way: the receiver pulls
-    the bytes from this node's object store, so two NodeStores pushing to each other
-    never wait on one another."""
+    """Other nodes' NodeStores seen from this one (a ``PeerPort``). A push is one-way: the
+    receiver pulls the bytes from this node's object store, so two NodeStores pushing to
+    each other never wait on one another."""
 
     def __init__(self, namespace: str) -> None:
         self._namespace = namespace
 
-    def send_replicas(
+    def accept_replicas(
         self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
     ) -> None:
         try:
@@ -68,7 +82,7 @@ class RayPeers:
         except ValueError:
             logger.warning("no NodeStore on node %s; replicas not sent", node)
             return  # the node is gone: the Evictor forgets its replicas with it
-        store.accept_replicas.remote(shards, [ray.put(buffer)])
+        NodeStoreClient(store, node).accept_replicas(shards, buffer)
 
 
 def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
@@ -89,41 +103,43 @@ def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
 
 class NodeStore:
     def __init__(self, node_id: str, cfg: TierStoreConfig, evictor_name: str) -> None:
-        evictor = ray.get_actor(evictor_name, namespace=cfg.namespace)
+        evictor = EvictorClient(ray.get_actor(evictor_name, namespace=cfg.namespace))
         self._evictor = evictor
         self._node_id = node_id
         self._cpu_bytes, self._disk_bytes = cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node
         self._id = ray.get_runtime_context().get_actor_id()
-        ray.get(
-            evictor.register_node.remote(
-                node_id, cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node, store_id=self._id
-            )
-        )
+        self._register()
         disk = None
         self._lock = None
         if cfg.disk_bytes_per_node > 0 and cfg.disk_path:
             path, self._lock = _claim_disk_dir(Path(os.path.expanduser(cfg.disk_path)), node_id)
             disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync)
-        me = ray.get_runtime_context().current_actor
+        self._me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
+        self._apply_failures = 0
         self._core = NodeStoreCore(
             NodeId(node_id),
             MemoryTier(cfg.cpu_bytes_per_node),
             disk,
             RayEvictorPort(evictor),
-            defer=lambda actions: me.apply.remote(actions),
+            defer=self._defer,
             peers=RayPeers(cfg.namespace),
         )
         recovered = self._core.register_inventory()
         if recovered:
             logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
 
+    def _defer(self, actions: NodeActions) -> None:
+        """Queue ``actions`` to this actor, one-way, behind the store that deferred them."""
+        self._me.apply(actions)
+
+    def _register(self) -> None:
+        self._evictor.register_node(
+            self._node_id, self._cpu_bytes, self._disk_bytes, store_id=self._id
+        ).result(_REGISTER_TIMEOUT_S)
+
     def reregister(self) -> int:
         """The Evictor restarted and lost its index: offer it everything held here again."""
-        ray.get(
-            self._evictor.register_node.remote(
-                self._node_id, self._cpu_bytes, self._disk_bytes, store_id=self._id
-            )
-        )
+        self._register()
         return self._core.register_inventory(after_evictor_restart=True)
 
     def store(
@@ -136,13 +152,11 @@ class NodeStore:
     ) -> int:
         # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
         # zero-copy, and let the core copy out what it keeps.
-        buffer = ray.get(buffer_ref[0])
+        buffer = ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S)
         shards = [ShardEntry(*e) for e in entries]
         try:
             return self._core.store(namespace, rank, world_size, shards, buffer)
-        except ray.exceptions.RayTaskError as exc:
-            if not isinstance(exc.cause, UnknownNodeError):
-                raise
+        except UnknownNodeError:
             # The Evictor restarted and has not reconciled yet: register this node and
             # offer what it holds (as the reconcile would), then admit the new shards.
             logger.info("Evictor does not know node %s yet; registering", self._node_id)
@@ -157,18 +171,34 @@ class NodeStore:
         return [ray.put(data)], metas
 
     def apply(self, actions: NodeActions) -> None:
-        self._core.apply(actions)
+        """The Evictor's decisions, and this actor's deferred work: both one-way, so no
+        caller would see an error; it is logged and counted, and the next call runs."""
+        try:
+            self._core.apply(node_actions_of(actions))
+        except Exception:
+            self._apply_failures += 1
+            logger.error("NodeStore %s: applying actions failed", self._node_id, exc_info=True)
 
     def accept_replicas(
         self, shards: list[tuple[ShardId, ShardMeta]], buffer_ref: list[ray.ObjectRef]
     ) -> None:
-        self._core.accept_replicas(shards, ray.get(buffer_ref[0]))
+        received = [(shard_id_of(s), meta) for s, meta in shards]
+        try:
+            buffer = ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S)
+        except Exception:  # one-way: nobody else would hear of it
+            logger.warning(
+                "replica buffer unreadable; %d replicas not kept", len(shards), exc_info=True
+            )
+            failed = [shard_id for shard_id, _ in received]
+            self._evictor.replicated(self._node_id, [], failed)  # one-way
+            return
+        self._core.accept_replicas(received, buffer)
 
     def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()
 
     def status(self) -> dict[str, object]:
-        return self._core.status()
+        return {**self._core.status(), "apply_failures": self._apply_failures}
 
     def disk_file_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> str:
         """Where a shard's file lies (tests corrupt it on purpose)."""

@@ -20,6 +20,11 @@ from tierstore.errors import ConfigError, TierStoreError
 logger = logging.getLogger("tierstore.cli")
 
 
+# A status answer is immediate; one that takes longer means the actor is stuck or
+# restarting, and `tierstore status` should say so rather than hang.
+_STATUS_TIMEOUT_S = 30.0
+
+
 def _connect(address: str | None, namespace: str) -> None:
     import ray
     from tierstore.actors.bootstrap import check_reachable
@@ -40,15 +45,16 @@ def _connect(address: str | None, namespace: str) -> None:
 def collect_status(namespace: str) -> dict[str, Any]:
     """Per node and tier: used and capacity bytes and chunks; cluster totals."""
     import ray
+    from tierstore.actors.clients import EvictorClient, NodeStoreClient
     from tierstore.actors.placement import EVICTOR_NAME, node_store_name
 
     try:
-        evictor = ray.get_actor(EVICTOR_NAME, namespace=namespace)
+        evictor = EvictorClient(ray.get_actor(EVICTOR_NAME, namespace=namespace))
     except ValueError as exc:
         raise TierStoreError(
             f"no tierstore actors in namespace {namespace!r}: run `tierstore up` first"
         ) from exc
-    evictor_status = ray.get(evictor.status.remote())
+    evictor_status = evictor.status().result(_STATUS_TIMEOUT_S)
     nodes = []
     for node in ray.nodes():
         if not node["Alive"]:
@@ -57,7 +63,7 @@ def collect_status(namespace: str) -> dict[str, Any]:
             store = ray.get_actor(node_store_name(node["NodeID"]), namespace=namespace)
         except ValueError:
             continue
-        nodes.append(ray.get(store.status.remote()))
+        nodes.append(NodeStoreClient(store, node["NodeID"]).status().result(_STATUS_TIMEOUT_S))
     stats = evictor_status["totals"]
     # Corruption is detected where the bytes are: sum what each NodeStore found,
     # including files it rejected while re-indexing its disk at start-up.

@@ -29,3 +29,15 @@ class ClusterUnavailableError(TierStoreError, ConnectionError):
 
 class UnknownNodeError(TierStoreError, KeyError):
     """The Evictor has no record of a node (it restarted and has not heard from it yet)."""
+
+
+class ActorUnavailableError(ClusterUnavailableError):
+    """A tierstore actor died or cannot be reached right now (it may be restarting)."""
+
+
+class RemoteCallTimeout(TierStoreError, TimeoutError):
+    """A call to a tierstore actor got no answer before its deadline."""
+
+
+class RemoteCallError(TierStoreError):
+    """A call to a tierstore actor raised something that is not a TierStoreError."""

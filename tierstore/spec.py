@@ -1,5 +1,59 @@
-"""Stable import path for vLLM: ``"spec_module_path": "tierstore.spec"``."""
+"""The composition root, and the stable import path for vLLM:
+``"spec_name": "TierStoreSpec", "spec_module_path": "tierstore.spec"``.
 
-from tierstore.vllm.spec import TierStoreSpec
+The one module inside ``tierstore/`` that imports the actor layer: it builds the actors'
+clients and injects them into the vLLM adapter (``tierstore.vllm``), which knows only the
+Protocols it needs (``EvictorCalls``, ``WorkerPorts``). See the README's layer rule.
+"""
 
-__all__ = ["TierStoreSpec"]
+from __future__ import annotations
+
+import ray
+from vllm.v1.kv_offload.base import OffloadingWorker
+
+from tierstore.actors.bootstrap import connect, get_or_create_evictor, get_or_create_node_store
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
+from tierstore.actors.worker_ports import RayWorkerPorts
+from tierstore.config import TierStoreConfig
+from tierstore.data.layout import ChunkLayout
+from tierstore.keys import NodeId
+from tierstore.vllm.evictor_channel import EvictorCalls
+from tierstore.vllm.spec import TierStoreSpecBase
+from tierstore.vllm.worker import TierStoreWorker
+
+__all__ = ["TierStoreSpec", "connect_worker"]
+
+
+class TierStoreSpec(TierStoreSpecBase):
+    """The spec vLLM loads: :class:`TierStoreSpecBase` wired to tierstore's Ray actors."""
+
+    def _connect_manager(self) -> tuple[EvictorCalls, NodeId]:
+        connect(self.store_config)
+        evictor = EvictorClient(get_or_create_evictor(self.store_config))
+        return evictor, NodeId(ray.get_runtime_context().get_node_id())
+
+    def _connect_worker(self, layout: ChunkLayout) -> OffloadingWorker:
+        connect(self.store_config)
+        return connect_worker(
+            self.store_config,
+            layout,
+            rank=self.config.parallel.rank,
+            world_size=self.config.parallel.world_size,
+        )
+
+
+def connect_worker(
+    cfg: TierStoreConfig, layout: ChunkLayout, rank: int = 0, world_size: int = 1
+) -> TierStoreWorker:
+    """A worker for this process's node, once that node's NodeStore is up (the spec, the
+    benchmarks and the tests all start a worker here).
+
+    Start-up only (never in a step): it waits until the NodeStore has registered what its
+    disk tier recovered, so the first lookups already see it.
+    """
+    node = NodeId(ray.get_runtime_context().get_node_id())
+    evictor = EvictorClient(get_or_create_evictor(cfg), cfg.transfer_timeout_s)
+    local_store = NodeStoreClient(get_or_create_node_store(cfg, node), node)
+    local_store.status().result(cfg.transfer_timeout_s)
+    ports = RayWorkerPorts(cfg.namespace, node, evictor, cfg.transfer_timeout_s)
+    return TierStoreWorker(layout, rank, world_size, ports, cfg.transfer_timeout_s)

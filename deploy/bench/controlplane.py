@@ -200,7 +200,7 @@ def _baselines(
     now = time.monotonic()
     result = {
         "evictor_direct": _calls_per_s(
-            lambda: ray.get(evictor.lookup.remote(NS, keys, "bench-direct", 30.0)),
+            lambda: evictor.lookup(NS, keys, "bench-direct", 30.0).result(),
             len(keys),
             seconds,
         ),
@@ -211,7 +211,7 @@ def _baselines(
             lambda: index.lookup(NS, keys, "bench-local", now, 30.0), len(keys), seconds
         ),
     }
-    ray.get(evictor.release_holder.remote("bench-direct"))
+    evictor.release_holder("bench-direct").result()
     return result
 
 
@@ -263,13 +263,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = TierStoreConfig(cpu_bytes_per_node=1 << 40, namespace=BENCH_NAMESPACE)
     with ray_session(cfg.namespace) as address:
         from tierstore.actors.bootstrap import get_or_create_evictor
+        from tierstore.actors.clients import EvictorClient
 
-        evictor = get_or_create_evictor(cfg)
+        evictor = EvictorClient(get_or_create_evictor(cfg))
         echo = ray.remote(_Echo).options(num_cpus=0).remote()
         node = ray.get_runtime_context().get_node_id()
-        ray.get(evictor.register_node.remote(node, cfg.cpu_bytes_per_node))
+        evictor.register_node(node, cfg.cpu_bytes_per_node).result()
         offers = [ShardOffer(NS, _key(i), 0, 1, _CHUNK_BYTES) for i in range(max(key_counts))]
-        accepted, _ = ray.get(evictor.admit.remote(node, offers))
+        accepted, _ = evictor.admit(node, offers).result()
         assert all(accepted), "the Evictor refused chunks of an empty, huge tier"
         rows = [bench_keys(cfg, evictor, echo, node, n, args.quick) for n in key_counts]
         ray.kill(echo)

@@ -27,6 +27,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tierstore.actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
+from tierstore.actors.clients import EvictorClient
 from tierstore.deploy.bench import plots
 from tierstore.deploy.bench.dataplane import PageJobs
 
@@ -130,13 +131,13 @@ def bench_size(cfg: TierStoreConfig, node_a: str, node_b: str, size: int) -> dic
 def _make_hot(cfg: TierStoreConfig, key: bytes, node_b: str) -> float:
     """Report B's loads as its engine's manager would; seconds until lookups from B name
     B's own copy."""
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
     chunk = ChunkKey(key)
     started = time.perf_counter()
     for _ in range(cfg.replicate_after_loads):
-        ray.get(evictor.release.remote(NS, [chunk], "bench", 1, node_b))
+        evictor.release(NS, [chunk], "bench", 1, node_b).result()
     while True:
-        ((state, where),) = ray.get(evictor.lookup.remote(NS, [chunk], "bench", 1.0, node_b))
+        ((state, where),) = evictor.lookup(NS, [chunk], "bench", 1.0, node_b).result()
         if where == {0: node_b}:
             return time.perf_counter() - started
         if time.perf_counter() - started > 60:

@@ -18,6 +18,7 @@ import numpy as np
 import ray
 import torch
 from tierstore.actors.bootstrap import get_or_create_evictor
+from tierstore.actors.clients import EvictorClient
 from tierstore.deploy.bench import plots
 from tierstore.deploy.bench.common import ray_session
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
@@ -25,8 +26,8 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace
+from tierstore.spec import connect_worker
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
-from tierstore.vllm.worker_ports import connect_worker
 
 NS = Namespace("da7a")
 PAGE = 64 * 1024  # bytes of one block's page (one layer)
@@ -94,7 +95,7 @@ class PageJobs:
 
 def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, Any]:
     jobs = PageJobs(cfg, NS, size)
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
 
     def store_once() -> ChunkKey:
         round_[0] += 1
@@ -104,7 +105,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
 
     keys: list[ChunkKey] = []
     store_s = _median_s(lambda: keys.append(store_once()))
-    (answer,) = ray.get(evictor.lookup.remote(NS, [keys[-1]], "bench", 60.0))
+    (answer,) = evictor.lookup(NS, [keys[-1]], "bench", 60.0).result()
     spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
     load_s = _median_s(lambda: jobs.load(spec))
     assert jobs.loaded_intact()  # the bytes really moved

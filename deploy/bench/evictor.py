@@ -118,29 +118,32 @@ def bench_actor(n: int, batch: int) -> dict[str, Any]:
     """The real Evictor actor on a local Ray cluster: admit and lookup in calls of ``batch``."""
     import ray
     from tierstore.actors.bootstrap import get_or_create_evictor
+    from tierstore.actors.clients import EvictorClient
 
     from tierstore.config import TierStoreConfig
 
     cfg = TierStoreConfig(cpu_bytes_per_node=4 * n, namespace="tierstore-bench-evictor")
     with ray_session(cfg.namespace):
-        evictor = get_or_create_evictor(cfg)
+        evictor = EvictorClient(get_or_create_evictor(cfg))
         node = ray.get_runtime_context().get_node_id()  # a real node: reconcile keeps it
-        ray.get(evictor.register_node.remote(node, 4 * n, 0))
+        evictor.register_node(node, 4 * n, 0).result()
         # 2n offers: n pipelined, then fresh ones one call at a time for the latency.
         offers = [o for start in range(0, 2 * n, CHAIN) for o in _request(start)]
         keys = [o.key for o in offers]
         results: dict[str, Any] = {"chunks": n, "batch": batch}
         for name, call in (
-            ("admit", lambda i: evictor.admit.remote(node, offers[i : i + batch])),
-            ("lookup_lease", lambda i: evictor.lookup.remote(NS, keys[i : i + batch], "b", 30.0)),
+            ("admit", lambda i: evictor.admit(node, offers[i : i + batch])),
+            ("lookup_lease", lambda i: evictor.lookup(NS, keys[i : i + batch], "b", 30.0)),
         ):
             started = time.perf_counter()
-            ray.get([call(i) for i in range(0, n, batch)])  # pipelined, as batches arrive
+            sent = [call(i) for i in range(0, n, batch)]  # pipelined, as batches arrive
+            for pending in sent:
+                pending.result()
             pipelined = time.perf_counter() - started
             calls = min(200, n // batch)
             started = time.perf_counter()
             for i in range(n, n + calls * batch, batch):  # one at a time: what a caller waits
-                ray.get(call(i))
+                call(i).result()
             latency = (time.perf_counter() - started) / calls
             results[name] = {"ops_per_s": _rate(n, pipelined), "call_ms": 1e3 * latency}
         return results

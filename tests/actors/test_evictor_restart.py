@@ -10,7 +10,7 @@ from tests.support import poll, wait_for
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
-from tierstore.errors import ClusterUnavailableError
+from tierstore.errors import ClusterUnavailableError, TierStoreError
 from tierstore.vllm.transfer_specs import StoreSpec
 
 
@@ -32,7 +32,7 @@ def test_killed_evictor_restarts_and_reindexes_every_chunk(cfg: TierStoreConfig)
     def states() -> list[LookupState]:
         try:
             return _lookup(cfg, keys, ttl=1.0)
-        except ray.exceptions.RayError:  # unavailable while it restarts
+        except (ray.exceptions.RayError, TierStoreError):  # unavailable while it restarts
             return []
 
     found = poll(states, 90, poll_s=0.2, done=lambda s: s == [LookupState.HIT] * 5)

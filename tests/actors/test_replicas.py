@@ -21,7 +21,7 @@ from tierstore.actors.bootstrap import (
     get_or_create_evictor,
     shutdown_actors,
 )
-from tierstore.actors.node_store import ShardEntry
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from tests.support import simulated_cluster, wait_for
@@ -29,9 +29,11 @@ from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout
+from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.spec import connect_worker
+from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.transfer_specs import LoadSpec
-from tierstore.vllm.worker_ports import connect_worker
 
 NAMESPACE = "tierstore-replica-tests"
 NS = Namespace("7e9a")
@@ -49,9 +51,9 @@ def nodes() -> Iterator[tuple[Cluster, str, str]]:
     cluster.shutdown()
 
 
-def _lookup(evictor: ray.actor.ActorHandle, node: str) -> list[tuple[LookupState, dict]]:
-    answers = ray.get(evictor.lookup.remote(NS, KEYS, f"engine@{node}", 5.0, node))
-    return [(LookupState(state), where) for state, where in answers]
+def _lookup(evictor: EvictorClient, node: str) -> list[tuple[LookupState, dict]]:
+    answers = evictor.lookup(NS, KEYS, f"engine@{node}", 5.0, node).result()
+    return [(a.state, a.where) for a in answers]
 
 
 def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_the_holder(
@@ -61,9 +63,9 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
     a, b = node_a.node_id, node_b.node_id  # type: ignore[attr-defined]
     cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, namespace=NAMESPACE)
     ensure_actors(cfg)
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
     wait_for(
-        lambda: {a, b} <= set(ray.get(evictor.status.remote())["nodes"]),
+        lambda: {a, b} <= set(evictor.status().result()["nodes"]),
         "both nodes registered",
         _WAIT_S,
     )
@@ -81,33 +83,33 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
         )
         for i, key in enumerate(KEYS)
     ]
-    store_a = find_node_store(NAMESPACE, a)
-    assert ray.get(store_a.store.remote(NS, 0, 1, entries, [ray.put(payload)])) == len(KEYS)
+    store_a = NodeStoreClient(find_node_store(NAMESPACE, a), a)
+    assert store_a.store(NS, 0, 1, entries, payload).result() == len(KEYS)
 
     # An engine on B loads them twice (replicate_after_loads=2): HITs name A until then.
     for _ in range(cfg.replicate_after_loads):
         assert all(s is LookupState.HIT and w == {0: a} for s, w in _lookup(evictor, b))
-        evictor.release.remote(NS, KEYS, f"engine@{b}", loaded=len(KEYS), node_id=b)
+        evictor.release(NS, KEYS, f"engine@{b}", loaded=len(KEYS), node_id=b)
     wait_for(
         lambda: all(w == {0: b} for _, w in _lookup(evictor, b)),
         "HITs asked from B naming B's replica",
         _WAIT_S,
     )
     assert all(w == {0: a} for _, w in _lookup(evictor, a))  # A still serves itself
-    store_b = find_node_store(NAMESPACE, b)
-    refs, _ = ray.get(store_b.load.remote(NS, 0, KEYS))
-    assert np.array_equal(ray.get(refs[0]), payload)  # the same bytes, from B
-    status_b = ray.get(store_b.status.remote())
+    store_b = NodeStoreClient(find_node_store(NAMESPACE, b), b)
+    data, _ = store_b.load(NS, 0, KEYS).result()
+    assert np.array_equal(data, payload)  # the same bytes, from B
+    status_b = store_b.status().result()
     assert status_b["stats"]["replicas_received"] == len(KEYS)
     assert status_b["cpu"]["chunks"] == len(KEYS)
-    totals = ray.get(evictor.status.remote())["totals"]
+    totals = evictor.status().result()["totals"]
     assert totals["replicated_chunks"] == len(KEYS)
 
     # A's NodeStore dies. A load planned from A before anyone knew (a HIT granted
     # earlier) is served from B's copy instead of stopping the engine, byte for byte.
     kv = torch.zeros((len(KEYS) + 1, CHUNK_BYTES), dtype=torch.uint8)
     worker = connect_worker(cfg, ChunkLayout([kv], [[(0, CHUNK_BYTES)]], blocks_per_chunk=1))
-    ray.kill(store_a)
+    ray.kill(store_a.handle)
     planned = LoadSpec.build(NS, KEYS, [{0: NodeId(a)}] * len(KEYS))
     blocks = list(range(1, len(KEYS) + 1))
     worker.submit_load(7, planned, GPULoadStoreSpec(blocks, [len(KEYS)], [0]))
@@ -129,14 +131,14 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
 
     def settled() -> bool:
         try:
-            status = ray.get(evictor.status.remote(), timeout=10)
-        except ray.exceptions.RayError:
+            status = evictor.status().result(10)
+        except (ray.exceptions.RayError, TierStoreError):
             return False  # the Evictor lived on node A: it is restarting elsewhere
         return a not in status["nodes"] and status["chunks"] == len(KEYS)
 
     wait_for(settled, "node A forgotten and B's copies indexed", _WAIT_S)
     head = ray.get_runtime_context().get_node_id()
     assert all(s is LookupState.HIT and w == {0: b} for s, w in _lookup(evictor, head))
-    refs, _ = ray.get(store_b.load.remote(NS, 0, KEYS))
-    assert np.array_equal(ray.get(refs[0]), payload)
-    assert ray.get(evictor.status.remote())["chunks"] == len(KEYS)
+    data, _ = store_b.load(NS, 0, KEYS).result()
+    assert np.array_equal(data, payload)
+    assert evictor.status().result()["chunks"] == len(KEYS)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tierstore.actors.node_store import NodeStoreCore, ShardEntry
 
 from tierstore.control.index import (
     Actions,
@@ -30,6 +29,7 @@ from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
+from tierstore.store.node_store import NodeStoreCore, ShardEntry
 
 NS = Namespace("c0ffee")
 NODES = [NodeId("n0"), NodeId("n1"), NodeId("n2")]  # stores go to n0 and n1
@@ -64,17 +64,17 @@ class LocalEvictor:
     def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
         self.deliver(self.index.promoted(node, done, failed))
 
-    def forget(self, node: NodeId, shard_ids: list[ShardId]) -> None:
+    def forget_shards(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         self.deliver(self.index.forget_shards(shard_ids))
 
-    def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None:
+    def report_corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         self.deliver(self.index.report_corrupt_after_hit(shard_ids))
 
     def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
         self.deliver(self.index.replicated(node, done, failed))
 
     # The PeerPort too: replica pushes reach the other core at once.
-    def send_replicas(self, node: NodeId, shards, buffer) -> None:  # type: ignore[no-untyped-def]
+    def accept_replicas(self, node: NodeId, shards, buffer) -> None:  # type: ignore[no-untyped-def]
         if node in self.cores:
             self.cores[node].accept_replicas(shards, buffer)
 

@@ -7,6 +7,7 @@ import time
 
 import ray
 from tierstore.actors.bootstrap import get_or_create_evictor
+from tierstore.actors.clients import EvictorClient
 from tierstore.actors.evictor import Evictor
 from vllm.v1.kv_offload.base import (
     Locality,
@@ -38,13 +39,13 @@ def _key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
 
 
-def _evictor_holding(cfg: TierStoreConfig, *keys: ChunkKey) -> tuple[ray.actor.ActorHandle, str]:
+def _evictor_holding(cfg: TierStoreConfig, *keys: ChunkKey) -> tuple[EvictorClient, str]:
     """The real Evictor, this node registered with 1,000 bytes, ``keys`` admitted (100 B)."""
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
     node = ray.get_runtime_context().get_node_id()
-    ray.get(evictor.register_node.remote(node, 1000))
+    evictor.register_node(node, 1000).result()
     if keys:
-        ray.get(evictor.admit.remote(node, [ShardOffer(NS, k, 0, 1, 100) for k in keys]))
+        evictor.admit(node, [ShardOffer(NS, k, 0, 1, 100) for k in keys]).result()
     return evictor, node
 
 
@@ -71,20 +72,20 @@ def test_lookup_answers_retry_then_hit_and_leases_until_complete_load(cfg: TierS
     spec = manager.prepare_load([_key(1)], ctx)
     assert isinstance(spec, LoadSpec) and spec.keys == (_key(1),) and spec.nodes == (node,)
     # The lease extension is one-way; the HIT was counted (and leased) by the lookup.
-    hits = poll(lambda: ray.get(evictor.status.remote())["totals"]["hits"], 10, done=lambda n: n)
+    hits = poll(lambda: evictor.status().result()["totals"]["hits"], 10, done=lambda n: n)
     assert hits == 1
     # Leased: the chunk cannot be evicted to make room.
-    accepted, _ = ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 950)]))
+    accepted, _ = evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()
     assert accepted == [False]
     manager.complete_load([_key(1)], ctx)
     manager.on_request_finished(ctx)
     accepted = poll(
-        lambda: ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 950)]))[0],
+        lambda: evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()[0],
         5,
         done=lambda a: a == [True],
     )
     assert accepted == [True]
-    assert ray.get(evictor.status.remote())["totals"]["loaded_chunks"] == 1
+    assert evictor.status().result()["totals"]["loaded_chunks"] == 1
     manager.shutdown()
 
 
@@ -99,7 +100,7 @@ class _SlowEvictor(Evictor):
 def test_scheduler_calls_do_not_wait_for_a_slow_evictor(cfg: TierStoreConfig) -> None:
     cfg = dataclasses.replace(cfg, lookup_timeout_ms=60_000.0)  # RETRY throughout
     slow = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
-    manager = TierStoreManager(cfg, NS, EvictorChannel(slow))
+    manager = TierStoreManager(cfg, NS, EvictorChannel(EvictorClient(slow)))
     ctx = ReqContext(req_id="r2")
     manager.on_new_request(ctx)
     worst = 0.0
@@ -117,7 +118,7 @@ def test_scheduler_calls_do_not_wait_for_a_slow_evictor(cfg: TierStoreConfig) ->
 
 
 def test_prepare_store_skips_keys_stored_or_in_flight(cfg: TierStoreConfig) -> None:
-    manager = TierStoreManager(cfg, NS, EvictorChannel(get_or_create_evictor(cfg)))
+    manager = TierStoreManager(cfg, NS, EvictorChannel(EvictorClient(get_or_create_evictor(cfg))))
     ctx = ReqContext(req_id="r3")
     first = manager.prepare_store([_key(1), _key(2)], ctx)
     assert first.keys_to_store == [_key(1), _key(2)]
@@ -179,11 +180,11 @@ def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
     other = TierStoreManager(
         cfg, NS, EvictorChannel(evictor), local_node=NodeId("elsewhere"), events_enabled=True
     )
-    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 600)]))
+    evictor.admit(node, [ShardOffer(NS, _key(1), 0, 1, 600)]).result()
     # A different namespace's chunks are never announced to this engine.
-    ray.get(evictor.admit.remote(node, [ShardOffer(Namespace("other"), _key(9), 0, 1, 10)]))
+    evictor.admit(node, [ShardOffer(Namespace("other"), _key(9), 0, 1, 10)]).result()
     # No room for both: key 1 is dropped (this node has no disk tier).
-    ray.get(evictor.admit.remote(node, [ShardOffer(NS, _key(3), 0, 1, 600)]))
+    evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 600)]).result()
 
     def events_of(m: TierStoreManager) -> list[OffloadingEvent]:
         m.on_schedule_end(END)  # polls the Evictor

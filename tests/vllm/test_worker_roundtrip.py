@@ -6,6 +6,7 @@ import pytest
 import ray
 import torch
 from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
@@ -15,9 +16,9 @@ from tierstore.control.index import LookupState
 from tierstore.data.layout import ChunkLayout
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.spec import connect_worker
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
-from tierstore.vllm.worker_ports import connect_worker
 
 NS = Namespace("7e57da7a")
 PAGE_BYTES = (96, 200)  # two groups with different pages, padded rows below
@@ -62,21 +63,21 @@ def _store_job(worker: TierStoreWorker) -> list[ChunkKey]:
 
 
 def _lookup(cfg: TierStoreConfig, keys: list[ChunkKey], ttl: float = 30.0) -> list[LookupState]:
-    answers = ray.get(get_or_create_evictor(cfg).lookup.remote(NS, keys, "test", ttl))
-    return [LookupState(a[0]) for a in answers]
+    answers = EvictorClient(get_or_create_evictor(cfg)).lookup(NS, keys, "test", ttl).result()
+    return [a.state for a in answers]
 
 
 def _load_spec(cfg: TierStoreConfig, keys: list[ChunkKey]) -> LoadSpec:
     """Look the keys up until every one is a HIT (promotions from disk take a moment)."""
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
     answers = poll(
-        lambda: ray.get(evictor.lookup.remote(NS, keys, "test", 30.0)),
+        lambda: evictor.lookup(NS, keys, "test", 30.0).result(),
         10,
         poll_s=0.02,
-        done=lambda found: all(LookupState(a[0]) is LookupState.HIT for a in found),
+        done=lambda found: all(a.state is LookupState.HIT for a in found),
     )
-    assert all(LookupState(a[0]) is LookupState.HIT for a in answers), answers
-    return LoadSpec.build(NS, keys, [a[1] for a in answers])
+    assert all(a.state is LookupState.HIT for a in answers), answers
+    return LoadSpec.build(NS, keys, [a.where for a in answers])
 
 
 def test_store_then_load_into_other_blocks_is_byte_exact(cfg: TierStoreConfig) -> None:
@@ -122,7 +123,8 @@ def test_corrupt_chunk_is_never_scattered_and_fails_loudly(cfg: TierStoreConfig)
     worker = _worker(cfg, kv)
     keys = _store_job(worker)
     node = NodeId(ray.get_runtime_context().get_node_id())
-    ray.get(find_node_store(cfg.namespace, node).corrupt_in_memory_for_test.remote(NS, keys[0], 0))
+    store = NodeStoreClient(find_node_store(cfg.namespace, node), node)
+    store.corrupt_in_memory_for_test(NS, keys[0], 0).result()
     before = [t.clone() for t in kv]
     dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
     worker.submit_load(3, _load_spec(cfg, keys), dst)
@@ -167,9 +169,9 @@ def test_store_to_a_dead_node_store_is_skipped_not_fatal(cfg: TierStoreConfig) -
     assert _drain(worker, 1) == [2]  # reported done: a lost store only costs a recompute
     assert worker.failed_stores == 1
     # vLLM cannot be told, so the worker tells the Evictor: it shows in `tierstore status`.
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
     wait_for(
-        lambda: ray.get(evictor.status.remote())["totals"]["failed_stores"] == 1,
+        lambda: evictor.status().result()["totals"]["failed_stores"] == 1,
         "the failed store counted by the Evictor",
         timeout_s=10,
     )
@@ -192,15 +194,16 @@ def test_engines_of_different_models_never_read_each_others_chunks(cfg: TierStor
         worker = _worker(cfg, kv)
         worker.submit_store(1, src, StoreSpec(namespace, tuple(keys)))
         assert _drain(worker, 1) == [1]
-    evictor = get_or_create_evictor(cfg)
+    evictor = EvictorClient(get_or_create_evictor(cfg))
     for namespace, expected in ((Namespace("aaaa"), kv_a[0]), (Namespace("bbbb"), kv_b[0])):
-        (answer,) = ray.get(evictor.lookup.remote(namespace, keys, "t", 5.0))
+        (answer,) = evictor.lookup(namespace, keys, "t", 5.0).result()
         target = [torch.zeros_like(t) for t in _kv()]
         worker = _worker(cfg, target)
-        spec = LoadSpec.build(namespace, keys, [answer[1]])
+        spec = LoadSpec.build(namespace, keys, [answer.where])
         worker.submit_load(
             2, spec, GPULoadStoreSpec([5, 6], group_sizes=[2, 0], block_indices=[0, 0])
         )
         assert _drain(worker, 1) == [2]
         assert torch.equal(target[0][5:7, :96], expected[1:3, :96])
-    assert ray.get(evictor.lookup.remote(Namespace("cccc"), keys, "t", 5.0))[0][0] == "miss"
+    (answer,) = evictor.lookup(Namespace("cccc"), keys, "t", 5.0).result()
+    assert answer.state is LookupState.MISS

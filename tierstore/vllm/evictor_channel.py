@@ -1,8 +1,12 @@
-"""The scheduler's line to the Evictor: every Ray call runs on one background thread.
+"""The scheduler's line to the Evictor: every remote call runs on one background thread.
 
-The scheduler thread only enqueues; the thread issues the actor calls, waits for the
-answers and hands them to callbacks. A dead Evictor turns lookups into misses (logged),
-never into a blocked or crashed scheduler.
+The scheduler thread only enqueues; the thread sends the calls, waits for the answers
+and hands them to callbacks. A dead Evictor turns lookups into misses (logged), never
+into a blocked or crashed scheduler; a callback that raises is logged and counted, and
+the thread goes on with the next call.
+
+The queue carries typed calls (a function of :class:`EvictorCalls`), never method names:
+the Evictor's client is injected by the composition root (``tierstore.spec``).
 """
 
 from __future__ import annotations
@@ -11,25 +15,68 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
-import ray
-
+from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.keys import ChunkKey, Namespace
+from tierstore.store.ports import Reply
 
 logger = logging.getLogger(__name__)
 
-_CALL_TIMEOUT_S = 30.0  # an answer later than this is treated as a failure
+_CLOSE_TIMEOUT_S = 30.0  # the thread's last batch has at most the client's deadline
 _STOP = object()
 
 Answers = list[LookupAnswer]
+T = TypeVar("T")
+
+
+class EvictorCalls(Protocol):
+    """What the scheduler asks of the Evictor (its client): each call returns at once."""
+
+    def lookup(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        lease_ttl_s: float,
+        node_id: str | None = None,
+    ) -> Reply[list[LookupAnswer]]: ...
+
+    def extend_leases(
+        self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
+    ) -> Reply[None]: ...
+
+    def release(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        loaded: int = 0,
+        node_id: str | None = None,
+    ) -> Reply[None]: ...
+
+    def release_holder(self, holder: str) -> Reply[None]: ...
+
+    def events_since(self, after: int, namespace: Namespace) -> Reply[EventBatch]: ...
+
+    def status(self) -> Reply[dict[str, Any]]: ...
+
+
+@dataclass
+class _Call(Generic[T]):
+    send: Callable[[EvictorCalls], Reply[T]]
+    what: str
+    on_done: Callable[[T], None] | None = None
+    fallback: Any = None  # what ``on_done`` gets if the call fails
 
 
 class EvictorChannel:
-    def __init__(self, evictor: ray.actor.ActorHandle) -> None:
+    def __init__(self, evictor: EvictorCalls) -> None:
         self._evictor = evictor
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.failed_callbacks = 0  # callbacks that raised (counted on the thread)
         self._thread = threading.Thread(target=self._run, name="tierstore-evictor", daemon=True)
         self._thread.start()
 
@@ -45,13 +92,21 @@ class EvictorChannel:
     ) -> None:
         """``node``: the engine's own node, so the Evictor can name a replica there."""
         misses = [LookupAnswer(LookupState.MISS)] * len(keys)
-        args = (namespace, keys, holder, lease_ttl_s, node)
-        self._queue.put(("lookup", args, on_answers, misses))
+        self._queue.put(
+            _Call(
+                lambda e: e.lookup(namespace, keys, holder, lease_ttl_s, node),
+                "lookup",
+                on_answers,
+                misses,
+            )
+        )
 
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
     ) -> None:
-        self._queue.put(("extend_leases", (namespace, keys, holder, ttl_s), None, None))
+        self._queue.put(
+            _Call(lambda e: e.extend_leases(namespace, keys, holder, ttl_s), "extend_leases")
+        )
 
     def release(
         self,
@@ -62,18 +117,25 @@ class EvictorChannel:
         node: str | None = None,
     ) -> None:
         """``loaded``: the keys were loaded into this engine (on ``node``), not given up."""
-        self._queue.put(("release", (namespace, keys, holder, loaded, node), None, None))
+        self._queue.put(
+            _Call(lambda e: e.release(namespace, keys, holder, loaded, node), "release")
+        )
 
     def release_holder(self, holder: str) -> None:
-        self._queue.put(("release_holder", (holder,), None, None))
+        self._queue.put(_Call(lambda e: e.release_holder(holder), "release_holder"))
 
-    def poll(self, method: str, args: tuple[Any, ...], on_done: Callable[[Any], None]) -> None:
+    def poll(
+        self,
+        call: Callable[[EvictorCalls], Reply[T]],
+        on_done: Callable[[T | None], None],
+        what: str = "poll",
+    ) -> None:
         """A read-only Evictor call (status, events); ``on_done`` gets None if it failed."""
-        self._queue.put((method, args, on_done, None))
+        self._queue.put(_Call(call, what, on_done, None))
 
     def close(self) -> None:
         self._queue.put(_STOP)
-        self._thread.join(timeout=_CALL_TIMEOUT_S)
+        self._thread.join(timeout=_CLOSE_TIMEOUT_S)
 
     # ---- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -85,33 +147,41 @@ class EvictorChannel:
                 except queue.Empty:
                     break
             stop = any(item is _STOP for item in batch)
-            self._send([item for item in batch if item is not _STOP])
+            try:
+                self._send([item for item in batch if item is not _STOP])
+            except Exception:  # a bug of ours: the next batch must still go out
+                logger.error("Evictor channel: a batch failed", exc_info=True)
             if stop:
                 return
 
-    def _send(
-        self, batch: list[tuple[str, tuple[Any, ...], Callable[[Any], None] | None, Any]]
-    ) -> None:
-        """Each item: (method, args, callback, what the callback gets if the call fails)."""
-        calls = []
-        for method, args, on_done, fallback in batch:
+    def _send(self, batch: list[_Call[Any]]) -> None:
+        """Send the whole batch, then wait for each answer in turn (at most its deadline)."""
+        sent: list[tuple[_Call[Any], Reply[Any] | None]] = []
+        for call in batch:
             try:
-                ref = getattr(self._evictor, method).remote(*args)
+                reply: Reply[Any] | None = call.send(self._evictor)
             except Exception:
-                logger.warning("Evictor call %s failed to send", method, exc_info=True)
-                ref = None
-            calls.append((ref, on_done, fallback, method))
-        for ref, on_done, fallback, method in calls:
+                logger.warning("Evictor call %s failed to send", call.what, exc_info=True)
+                reply = None
+            sent.append((call, reply))
+        for call, reply in sent:
             result: Any = None
-            if ref is not None:
+            if reply is not None:
                 try:
-                    result = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+                    result = reply.result()
                 except Exception:
                     logger.warning(
                         "Evictor call %s failed; %s",
-                        method,
-                        "its lookups count as misses" if on_done else "dropped",
+                        call.what,
+                        "its lookups count as misses" if call.on_done else "dropped",
                         exc_info=True,
                     )
-            if on_done is not None:
-                on_done(result if result is not None else fallback)
+            if call.on_done is not None:
+                self._answer(call, result if result is not None else call.fallback)
+
+    def _answer(self, call: _Call[Any], result: Any) -> None:
+        try:
+            call.on_done(result)  # type: ignore[misc]
+        except Exception:
+            self.failed_callbacks += 1
+            logger.error("a callback of Evictor call %s raised", call.what, exc_info=True)

