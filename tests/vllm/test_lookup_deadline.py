@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 import ray
+from tierstore.actors.clients import EvictorClient
 from tierstore.actors.evictor import Evictor
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
@@ -40,10 +41,11 @@ def test_a_late_answer_is_a_counted_miss_and_its_lease_is_given_back(
     cfg: TierStoreConfig,
 ) -> None:
     cfg = dataclasses.replace(cfg, lookup_timeout_ms=_TIMEOUT_MS)
-    slow = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
+    handle = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
+    slow = EvictorClient(handle)
     node = ray.get_runtime_context().get_node_id()
-    ray.get(slow.register_node.remote(node, 1000))
-    ray.get(slow.admit.remote(node, [ShardOffer(NS, _key(1), 0, 1, 100)]))
+    slow.register_node(node, 1000).result()
+    slow.admit(node, [ShardOffer(NS, _key(1), 0, 1, 100)]).result()
     manager = TierStoreManager(cfg, NS, EvictorChannel(slow))
     ctx = ReqContext(req_id="late")
     manager.on_new_request(ctx)
@@ -65,10 +67,10 @@ def test_a_late_answer_is_a_counted_miss_and_its_lease_is_given_back(
     # once the answer lands, so the chunk is evictable again: a store that needs its
     # room is accepted.
     def room_made() -> bool:
-        accepted, _ = ray.get(slow.admit.remote(node, [ShardOffer(NS, _key(2), 0, 1, 950)]))
+        accepted, _ = slow.admit(node, [ShardOffer(NS, _key(2), 0, 1, 950)]).result()
         return accepted == [True]
 
     wait_for(room_made, "the late HIT's lease released", timeout_s=10 * _EVICTOR_DELAY_S)
-    assert ray.get(slow.status.remote())["totals"]["hits"] == 1  # it was a HIT, given up
+    assert slow.status().result()["totals"]["hits"] == 1  # it was a HIT, given up
     manager.shutdown()
-    ray.kill(slow)
+    ray.kill(handle)
