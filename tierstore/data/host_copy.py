@@ -1,25 +1,35 @@
 """The CPU executor of a :class:`~tierstore.data.copy_plan.CopyPlan`.
 
 Each row batch is one vectorized numpy copy over ``void`` items of the page's size:
-``np.take`` for a gather, fancy assignment for a scatter. Both loop over pages in C,
-so a job of thousands of small pages costs no Python per page. Measured on this
-project's 2-core machine against ``numpy.copyto`` of the same bytes (best of 15, see
-the report of the ``copyplan`` branch): 1.1-1.3x for consecutive blocks, 1.1-2x for
-scattered 32 KiB pages, where a ``ctypes.memmove`` per run ran 1.3-110x (its ~1-2 us
-per call dominates small pages) and the former torch ``index_select`` 1.2-16x.
+``np.take`` for a gather, fancy assignment for a scatter, both a C loop over pages, so
+thousands of small pages cost no Python each. A gather numpy cannot do in one copy
+(padded pages, several layers per slot) uses fancy indexing plus a copy, or, for pages
+of 16 KiB and more, one ``memmove`` per page.
 
-Thread: any; numpy releases the GIL while copying. Nothing here allocates per job
-except numpy's temporary for a gather into a strided buffer region (a group of
-several layers), which it makes to keep ``take`` a single C loop.
+Chosen by ``tests/data/copy_bench.py`` on this project's busy 2-core machine (best of
+30 interleaved rounds, ratio to ``numpy.copyto`` of the same bytes): this executor ran
+1.0-1.2x for consecutive blocks, 1.6-3x for scattered 4-32 KiB pages and 2.6-4.8x for
+1 KiB pages; a ``ctypes.memmove`` or numpy slice per run 1.6-2.2x at 32 KiB but
+4-22x on small pages (~1-2 us of Python per run), torch index ops (the former path)
+2.3-6.9x.
+
+Thread: any. No per-job allocation but numpy's temporary in the two-copy gather.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import torch
 
 from tierstore.data.copy_plan import CopyPlan, RowBatch
 from tierstore.data.layout import ChunkLayout
+
+# Gathers of pages at least this large that numpy cannot do in one copy (padded pages,
+# or a group of several layers) use one memmove per page: measured as fast or faster
+# than numpy's two copies from 32 KiB up, slower at 4 KiB (Python's ~1-2 us per call).
+MEMMOVE_MIN_PAGE = 16 << 10
 
 
 class HostExecutor:
@@ -31,6 +41,7 @@ class HostExecutor:
                 f"the host executor needs KV tensors in host memory, not {layout.device}"
             )
         self._rows = [_as_rows(t) for t in layout.tensors]
+        self._addr = [(t.data_ptr(), t.stride(0)) for t in layout.tensors]
         self._views: dict[tuple[int, int], np.ndarray] = {}
 
     def gather(self, plan: CopyPlan, out: np.ndarray) -> None:
@@ -38,14 +49,36 @@ class HostExecutor:
         _check_buffer(plan, out)
         for offset, nbytes in plan.zeros:
             out[offset : offset + nbytes] = 0
+        out_addr = out.ctypes.data
         for batch in plan.batches:
-            np.take(self._kv(batch), batch.ids, out=_buffer_items(out, batch), mode="wrap")
+            kv = self._kv(batch)
+            single = kv.flags.c_contiguous and batch.stride == batch.page_bytes
+            if not single and batch.page_bytes >= MEMMOVE_MIN_PAGE:
+                self._memmove_pages(batch, out_addr)
+                continue
+            items = _buffer_items(out, batch)
+            if single:
+                np.take(kv, batch.ids, out=items, mode="wrap")  # one C loop, one copy
+            else:
+                # Not np.take: it would first copy a strided (padded) source whole, and
+                # buffer a strided ``out``. Fancy indexing copies the pages, then ``items``.
+                items[...] = kv[batch.ids]
 
     def scatter(self, plan: CopyPlan, data: np.ndarray) -> None:
         """Copy the plan's pages from ``data`` (may be read-only) into the KV rows."""
         _check_buffer(plan, data)
         for batch in plan.batches:
             self._kv(batch)[batch.ids] = _buffer_items(data, batch)
+
+    def _memmove_pages(self, batch: RowBatch, out_addr: int) -> None:
+        """One ``memmove`` per page: numpy would copy twice (padded source or strided
+        ``out``); for large pages the per-call cost is the smaller one."""
+        base, row_stride = self._addr[batch.tensor_idx]
+        src = base + batch.ids * row_stride
+        dst = out_addr + batch.offset + np.arange(len(batch.ids), dtype=np.int64) * batch.stride
+        page = batch.page_bytes
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            ctypes.memmove(d, s, page)
 
     def _kv(self, batch: RowBatch) -> np.ndarray:
         """Tensor rows as ``void`` items of the page's size (first ``page_bytes`` of each)."""

@@ -225,8 +225,12 @@ class _DescriptorTables:
 
     def take(self, n: int) -> torch.Tensor:
         with self._lock:
-            self._free += [table for table, done in self._busy if done()]
-            self._busy = [(table, done) for table, done in self._busy if not done()]
+            busy, self._busy = self._busy, []
+            for table, done in busy:
+                if done():
+                    self._free.append(table)
+                else:
+                    self._busy.append((table, done))
             fitting = [t for t in self._free if t.shape[1] >= n]
             if fitting:
                 table = min(fitting, key=lambda t: t.shape[1])
