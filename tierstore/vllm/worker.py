@@ -38,7 +38,7 @@ from tierstore.errors import ChunkCorruptError, TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.store.ports import Reply
-from tierstore.vllm.device_copy import make_copier
+from tierstore.vllm.device_copy import Scatter, make_copier
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
@@ -184,14 +184,14 @@ class TierStoreWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(src_spec, LoadSpec), type(src_spec)
         plan = self._plan(dst_spec, len(src_spec.keys), job_id)
+        # Here, on the model-runner thread: on CUDA the copy is ordered after its stream.
+        scatter = self._copier.prepare_scatter(plan, dst_spec.block_ids, expedited)
         started = time.perf_counter()
-        self._track(
-            job_id, self._pool.submit(self._load, job_id, src_spec, dst_spec, plan, started)
-        )
+        self._track(job_id, self._pool.submit(self._load, job_id, src_spec, scatter, plan, started))
         return True
 
     def _load(
-        self, job_id: int, spec: LoadSpec, dst: GPULoadStoreSpec, plan: JobPlan, started: float
+        self, job_id: int, spec: LoadSpec, scatter: Scatter, plan: JobPlan, started: float
     ) -> TransferResult:
         by_node = spec.keys_by_node(self._rank)
         calls = {node: self._call_load(spec, node, idx) for node, idx in by_node.items()}
@@ -205,7 +205,7 @@ class TierStoreWorker(OffloadingWorker):
                 idx = by_node[node]
                 part, metas = self._fetch_from(spec, node, idx, call)
                 self._verify(spec, plan, idx, part, metas, into=data)
-        self._copier.scatter(plan, dst.block_ids, data)
+        scatter(data)
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
 
     def _call_load(self, spec: LoadSpec, node: NodeId, idx: list[int]) -> _Loading | Exception:
