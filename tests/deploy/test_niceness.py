@@ -9,7 +9,6 @@ so does this module's head.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -43,10 +42,11 @@ print(json.dumps(out))
 
 def test_tierstore_actors_are_not_niced(ray_head: RayHead) -> None:
     address = f"127.0.0.1:{ray_head.gcs_port}"
-    cli = os.path.join(os.path.dirname(sys.executable), "tierstore")
     up = subprocess.run(
         [
-            cli,
+            sys.executable,
+            "-m",
+            "tierstore.deploy.cli",
             "up",
             f"--address={address}",
             f"--namespace={NAMESPACE}",
