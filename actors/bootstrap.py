@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import ray
@@ -98,6 +99,19 @@ def _init(address: str, cfg: TierStoreConfig) -> None:
         raise
 
 
+# Ray starts worker processes, tierstore's actors among them, at niceness 15: beside a
+# CPU engine's spinning threads they then get almost no CPU (Evictor calls time out, Ray
+# once declared the Evictor dead). The raylet reads this at `ray start`; 0 = as any
+# process. A value the caller already set is kept.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+WORKER_NICENESS = "0"
+
+
+def ray_start_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a `ray start` whose workers are not starved."""
+    return {WORKER_NICENESS_ENV: WORKER_NICENESS, **environ}
+
+
 def _start_local_head() -> None:
     ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_cli is None:
@@ -107,6 +121,7 @@ def _start_local_head() -> None:
         capture_output=True,
         text=True,
         timeout=120,
+        env=ray_start_env(os.environ),
     )
     if result.returncode != 0:
         raise ClusterUnavailableError(

@@ -24,10 +24,14 @@ TIERSTORE_SPEC = {"spec_name": "TierStoreSpec", "spec_module_path": "tierstore.s
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` that loads an offloading spec through vLLM's connector."""
+    """The ``--kv-transfer-config`` that loads an offloading spec through tierstore's
+    connector (vLLM's ``OffloadingConnector`` plus a failure path: a failed load
+    recomputes its request instead of stopping the engine)."""
     return {
-        "kv_connector": "OffloadingConnector",
+        "kv_connector": "TierStoreConnector",
+        "kv_connector_module_path": "tierstore.connector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 

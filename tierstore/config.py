@@ -11,6 +11,7 @@ import difflib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from math import inf
 from typing import Any
 
 from tierstore.errors import ConfigError
@@ -64,7 +65,9 @@ def parse_bytes(key: str, value: object) -> int:
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
         if match and match.group(2).lower() in _SIZE_UNITS:
-            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+            size = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+            if size < inf:  # 400 digits are a float infinity, not a size
+                return int(size)
     raise ConfigError(f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}")
 
 
@@ -128,11 +131,12 @@ class TierStoreConfig:
     ) -> TierStoreConfig:
         """Build from vLLM's ``kv_connector_extra_config``; ``RAY_ADDRESS`` is passed in."""
         own_keys = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra_config) - own_keys - VLLM_OWNED_KEYS)
+        unknown = sorted(set(extra_config) - own_keys - VLLM_OWNED_KEYS, key=repr)
         if unknown:
             hints = []
             for key in unknown:
-                close = difflib.get_close_matches(key, sorted(own_keys | VLLM_OWNED_KEYS), n=1)
+                known = sorted(own_keys | VLLM_OWNED_KEYS)
+                close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
                 hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise ConfigError(
                 "unknown kv_connector_extra_config key(s): "
@@ -245,7 +249,7 @@ def _check_replication(cfg: TierStoreConfig) -> None:
 def _check_timeouts(cfg: TierStoreConfig) -> None:
     for key in ("lease_ttl_s", "transfer_timeout_s", "lookup_timeout_ms"):
         value = getattr(cfg, key)
-        if not _is_number(value) or value <= 0:
+        if not _is_number(value) or not 0 < value < inf:  # NaN compares false too
             unit = "milliseconds" if key.endswith("_ms") else "seconds"
             raise ConfigError(f"{key}: expected a positive number of {unit}, got {value!r}")
 

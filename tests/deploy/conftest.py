@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tierstore.actors.bootstrap import WORKER_NICENESS_ENV, ray_start_env
 
 from tests.support import LOOPBACK, free_port
 
@@ -73,6 +74,8 @@ def ray_head() -> Iterator[RayHead]:
     temp_dir = Path(tempfile.mkdtemp(prefix="tsj-", dir="/tmp"))  # short: socket paths
     bin_dir = os.path.dirname(sys.executable)
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop(WORKER_NICENESS_ENV, None)  # the head starts as tierstore starts one:
+    env = ray_start_env(env)  # its workers at niceness 0, not Ray's 15
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the job's `python`
     gcs_port, dashboard_port = free_port(), free_port()
     cmd = [os.path.join(bin_dir, "ray"), "start", "--head", "--disable-usage-stats"]

@@ -64,7 +64,17 @@ def test_anything_that_changes_the_bytes_changes_the_namespace() -> None:
         _config(groups=(OffloadingGroupConfig(64, ("model.layers.0.attn",), 0),)),
         _config(tp_size=2, world_size=2),
         _config(kv_cache_layout="NHD"),
+        _config(worker_kv_bytes_per_block=8192),
     ]
     namespaces = {namespace_for(v) for v in variants}
     assert base not in namespaces and len(namespaces) == len(variants)
     assert all(len(n) == 32 and int(n, 16) >= 0 for n in namespaces)  # hex: safe in paths
+
+
+def test_engines_whose_pages_differ_never_share_keys() -> None:
+    """Same model and dtype, other page bytes (e.g. another mamba_ssm_cache_dtype): the
+    worker's size check would fail every HIT, so they must not share a namespace."""
+    fp32_state = _config(worker_kv_bytes_per_block=4096 + 1024)
+    bf16_state = _config(worker_kv_bytes_per_block=4096 + 512)
+    assert namespace_for(fp32_state) != namespace_for(bf16_state)
+    assert namespace_for(fp32_state) == namespace_for(_config(worker_kv_bytes_per_block=5120))

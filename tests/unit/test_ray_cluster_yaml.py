@@ -40,6 +40,8 @@ def test_every_ray_start_sets_the_auth_mode_and_the_head_starts_tierstore() -> N
     for command in starts:
         if " ray start" in command or command.startswith("ray start"):
             assert "RAY_AUTH_MODE=" in command, command
+            # Ray's default niceness (15) starves tierstore's actors beside a CPU engine.
+            assert "RAY_worker_niceness=0 " in command, command
     assert any("auth_token" in str(k) for k in config["file_mounts"])
     tierstore_up = [c for c in config["head_start_ray_commands"] if "tierstore up" in c]
     assert len(tierstore_up) == 1
@@ -59,3 +61,10 @@ def test_cli_commands_in_the_file_parse() -> None:
 
 def test_setup_installs_tierstore_with_the_repo_script() -> None:
     assert any("deploy/setup.sh" in c for c in _load()["setup_commands"])
+
+
+def test_the_bootstraps_ray_start_unstarves_workers_unless_told_otherwise() -> None:
+    from tierstore.actors.bootstrap import ray_start_env
+
+    assert ray_start_env({"PATH": "/bin"}) == {"PATH": "/bin", "RAY_worker_niceness": "0"}
+    assert ray_start_env({"RAY_worker_niceness": "5"})["RAY_worker_niceness"] == "5"

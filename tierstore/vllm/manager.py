@@ -95,6 +95,7 @@ class _RequestState:
     # (group, end token) -> key, to name each stored chunk's parent in its chain.
     positions: dict[tuple[int, int], ChunkKey] = field(default_factory=dict)
     finished: bool = False
+    load_failed: bool = False  # a load of it failed: it recomputes, never loads again
 
 
 class TierStoreManager(OffloadingManager):
@@ -166,6 +167,8 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             # The hot path: vLLM asks again for every waiting key each step.
             state = self._requests.get(req_context.req_id) or self._state(req_context)
+            if state.load_failed:
+                return LookupResult.MISS
             answer = state.answers.get(key)
             if answer is not None:
                 if answer.expires_at > time.monotonic():
@@ -374,14 +377,28 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._requests.get(req_context.req_id)
             holder = state.holder if state else f"{self._id}/{req_context.req_id}"
+            loaded = 0 if state is not None and state.load_failed else len(keys)
             self._channel.release(
-                self._namespace, list(keys), holder, loaded=len(keys), node=self._local_node
+                self._namespace, list(keys), holder, loaded=loaded, node=self._local_node
             )
             self._observe_job(metrics.LOAD_LATENCY, keys)
             if state is not None:
                 state.loading.difference_update(keys)
                 state.leased.difference_update(keys)
                 self._maybe_forget(req_context.req_id, state)
+
+    def on_load_failed(self, req_id: str) -> None:
+        """A load job of ``req_id`` failed (``TierStoreConnector`` says so before its
+        ``complete_load``): the request recomputes, so its next lookups are MISS and the
+        chunks of the job may be offered again (one of them may be gone)."""
+        with self._lock:
+            self._metrics.count(metrics.FAILED_LOADS)
+            state = self._requests.get(req_id)
+            if state is None:
+                return
+            state.load_failed = True
+            for key in state.loading:
+                self._known_stored.pop(key, None)
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:

@@ -36,6 +36,7 @@ LOOKUP_MISSES = PREFIX + "lookup_misses"
 LOOKUP_TIMEOUTS = PREFIX + "lookup_timeouts"
 LOADED_CHUNKS = PREFIX + "loaded_chunks"
 STORED_CHUNKS = PREFIX + "stored_chunks"
+FAILED_LOADS = PREFIX + "failed_loads"
 LOOKUP_WAIT = PREFIX + "lookup_wait_seconds"
 STORE_LATENCY = PREFIX + "store_latency_seconds"
 LOAD_LATENCY = PREFIX + "load_latency_seconds"
@@ -58,7 +59,7 @@ CLUSTER_TOTALS = {
     "failed_stores": "Store jobs a worker could not hand to its NodeStore (not kept).",
     "replicated_chunks": "Hot chunks copied to a node that kept loading them from another.",
     "corrupt_before_hit": "Chunks that failed verification while promoted (became misses).",
-    "corrupt_after_hit": "Chunks that failed verification on load (the engine stopped).",
+    "corrupt_after_hit": "Chunks that failed verification on load (the request recomputed).",
 }
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -78,6 +79,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         ),
         LOADED_CHUNKS: ("Chunks loaded into the KV cache, by the tier that served them.", _TIER),
         STORED_CHUNKS: ("Chunks this engine stored into tierstore.", ()),
+        FAILED_LOADS: ("Load jobs that failed; their requests were recomputed.", ()),
     }
     histograms = {
         LOOKUP_WAIT: "Time from a lookup's first RETRY to the Evictor's answer.",

@@ -37,13 +37,22 @@ LAYOUT_VERSION = 1
 
 
 def namespace_for(config: OffloadingConfig) -> Namespace:
-    """Everything that changes a chunk's bytes: model, dtype, layout, chunking, parallelism."""
+    """Everything that changes a chunk's bytes: model, dtype, page bytes, layout, chunking,
+    parallelism.
+
+    ``worker_kv_bytes_per_block`` (one worker's bytes of one block, every group's pages
+    together; vLLM derives it from the KV cache layout, never from the number of blocks)
+    tells apart engines whose pages differ with the same model and dtype, e.g. another
+    ``mamba_ssm_cache_dtype``: they never share a key. (Should pages differ anyway, the
+    worker's size check fails the load, and the request recomputes.)
+    """
     parallel = config.parallel
     return make_namespace(
         {
             "layout_version": LAYOUT_VERSION,
             "model": config.model.name,
             "dtype": config.model.dtype,
+            "kv_bytes_per_block": config.worker_kv_bytes_per_block,
             "tokens_per_hash": config.cache.tokens_per_hash,
             "blocks_per_chunk": config.cache.blocks_per_chunk,
             "groups": [

@@ -8,9 +8,12 @@ Runtime rules (vLLM's model-runner thread calls every method):
   bytes were verified (length, slot coverage, xxh3) and are in the destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
   another copy the Evictor knows of (a hot chunk's copy, or the holder that adopted it).
-- a failed transfer is otherwise never reported as done: vLLM has no failure path (it
-  asserts success), so :meth:`get_finished` raises and the engine stops loudly instead
-  of computing on wrong KV.
+- a load that still fails (no other copy; a checksum mismatch) is reported as
+  ``TransferResult(job_id, success=False)``, never as done: :class:`TierStoreConnector`
+  (``tierstore.connector``) turns it into a recompute of its request; vLLM's plain
+  ``OffloadingConnector`` asserts success, so there the engine stops loudly instead of
+  computing on wrong KV.
+- a store that fails costs a future recompute only: it is reported done and counted.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ class TierStoreWorker(OffloadingWorker):
         self._jobs: dict[int, Future[TransferResult]] = {}
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
+        self.failed_loads = 0  # load jobs reported failed (their requests recompute)
         self.relocated_loads = 0  # load jobs served (in part) by another copy
 
     # ---- stores ----------------------------------------------------------------------------
@@ -187,8 +191,27 @@ class TierStoreWorker(OffloadingWorker):
         # Here, on the model-runner thread: on CUDA the copy is ordered after its stream.
         scatter = self._copier.prepare_scatter(plan, dst_spec.block_ids, expedited)
         started = time.perf_counter()
-        self._track(job_id, self._pool.submit(self._load, job_id, src_spec, scatter, plan, started))
+        self._track(
+            job_id, self._pool.submit(self._load_or_fail, job_id, src_spec, scatter, plan, started)
+        )
         return True
+
+    def _load_or_fail(
+        self, job_id: int, spec: LoadSpec, scatter: Scatter, plan: JobPlan, started: float
+    ) -> TransferResult:
+        """Transfer thread: a failed load is a result (``success=False``), not an
+        exception, so the connector can recompute its request and the engine keeps going."""
+        try:
+            return self._load(job_id, spec, scatter, plan, started)
+        except Exception:
+            self.failed_loads += 1
+            logger.error(
+                "load job %d (%d chunks) failed; its request must recompute them",
+                job_id,
+                len(spec.keys),
+                exc_info=True,
+            )
+            return TransferResult(job_id, False)
 
     def _load(
         self, job_id: int, spec: LoadSpec, scatter: Scatter, plan: JobPlan, started: float

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import struct
 import uuid
 from collections.abc import Iterator
@@ -45,6 +46,9 @@ _PREFIX = struct.Struct(">4sI")
 _MAX_HEADER_BYTES = 64 * 1024  # a header is ~150 bytes; anything bigger is corruption
 _HEX = re.compile(r"^[0-9a-f]{1,64}$")
 _FILE_MODE = 0o600
+# What reading a damaged or crafted file may raise (msgpack's errors are ValueErrors;
+# its depth limit, StackError, too): such a file is removed, never served.
+_UNREADABLE = (OSError, ValueError, msgpack.UnpackException)
 _DIR_MODE = 0o700
 
 
@@ -165,37 +169,32 @@ class DiskTier(Tier):
         self.delete(shard_id)
         self.corrupt_files_removed += 1
 
+    def _recover(self, path: Path) -> tuple[ShardId, ShardMeta]:
+        """One file's shard, from its header; raises one of ``_UNREADABLE`` if the file is
+        not a well-formed chunk of the shard its name says (e.g. another namespace's
+        header under this name) or its size disagrees with its header."""
+        header, payload_offset = _read_header(path)
+        shard_id, meta = parse_header(header)
+        if self._path(shard_id) != path:
+            raise ValueError("file name does not match its header")
+        size = path.stat().st_size
+        if size != payload_offset + meta.nbytes:
+            raise ValueError(f"{size} bytes on disk, header says payload {meta.nbytes}")
+        return shard_id, meta
+
     def _rebuild(self) -> None:
         """Inventory from the headers alone; payloads are verified when read."""
         for path in self.root.glob("*/*/*"):
             if path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # a write that never published
+                _remove(path)  # a write that never published
                 continue
             if not path.name.endswith(".chunk"):
                 continue
             try:
-                header, payload_offset = _read_header(path)
-                shard_id = ShardId(
-                    Namespace(header["namespace"]), ChunkKey(header["key"]), int(header["rank"])
-                )
-                if self._path(shard_id) != path:
-                    raise ValueError("file name does not match its header")
-                size = path.stat().st_size
-                if header["checksum"] != CHECKSUM_ALGORITHM:
-                    raise ValueError(f"unknown checksum {header['checksum']!r}")
-                parent = header.get("parent")
-                meta = ShardMeta(
-                    int(header["length"]),
-                    int(header["digest"]),
-                    int(header["slot_mask"]),
-                    int(header["world_size"]),
-                    bytes(parent) if parent is not None else None,
-                )
-                if size != payload_offset + meta.nbytes:
-                    raise ValueError(f"{size} bytes on disk, header says payload {meta.nbytes}")
-            except (OSError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+                shard_id, meta = self._recover(path)
+            except _UNREADABLE as exc:
                 logger.warning("removing unreadable chunk file %s: %s", path, exc)
-                path.unlink(missing_ok=True)
+                _remove(path)
                 self.corrupt_files_removed += 1
                 continue
             self._index[shard_id] = (path, meta)
@@ -207,6 +206,60 @@ class DiskTier(Tier):
                 len(self._index),
                 self._used_bytes,
             )
+
+
+def _remove(path: Path) -> None:
+    """Remove a rejected file (or a directory where a file should be); it is not indexed
+    either way, so a failure here is only logged."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        logger.warning("could not remove %s", path, exc_info=True)
+
+
+def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = header.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"header field {name!r} is {type(value).__name__}, not {kind}")
+    return value
+
+
+def _bounded(header: dict[str, Any], name: str, low: int, high: int) -> int:
+    value = _field(header, name, int)
+    if not low <= value < high:
+        raise ValueError(f"header field {name!r} = {value} is outside [{low}, {high})")
+    return value  # type: ignore[no-any-return]
+
+
+def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
+    """A decoded header's shard id and metadata; every field type- and range-checked, so
+    a crafted header raises ValueError and nothing else (``int(inf)`` raises
+    OverflowError, ``bytes(10**12)`` allocates a terabyte: never call them on it)."""
+    if _field(header, "checksum", str) != CHECKSUM_ALGORITHM:
+        raise ValueError(f"unknown checksum {header['checksum']!r}")
+    namespace = _field(header, "namespace", str)
+    if not _HEX.match(namespace):
+        raise ValueError("header namespace is not a hex digest")
+    parent = header.get("parent")
+    if parent is not None and not isinstance(parent, bytes):
+        raise ValueError(f"header field 'parent' is {type(parent).__name__}, not bytes")
+    world_size = _bounded(header, "world_size", 1, 1 << 31)
+    shard_id = ShardId(
+        Namespace(namespace),
+        ChunkKey(_field(header, "key", bytes)),
+        _bounded(header, "rank", 0, world_size),
+    )
+    meta = ShardMeta(
+        _bounded(header, "length", 0, 1 << 62),
+        _bounded(header, "digest", 0, 1 << 64),
+        _bounded(header, "slot_mask", 0, 1 << 64),
+        world_size,
+        parent,
+    )
+    return shard_id, meta
 
 
 def _read_header_from(f: Any) -> tuple[dict[str, Any], int]:
