@@ -57,6 +57,7 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "ray_address": _not_str.filter(lambda v: v is not None) | st.sampled_from(["", "  "]),
     "lease_ttl_s": _bad_seconds,
     "transfer_timeout_s": _bad_seconds,
+    "lookup_timeout_ms": _bad_seconds,
     "disk_path": _not_str.filter(lambda v: v is not None) | st.sampled_from(["", " \t"]),
     "disk_fsync": _anything.filter(
         lambda v: (

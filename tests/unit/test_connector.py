@@ -29,8 +29,8 @@ from vllm.v1.kv_offload.base import (
 from tests.unit.test_namespace import _config
 from tierstore.connector import TierStoreConnector
 from tierstore.errors import TierStoreError
+from tierstore.spec import TierStoreSpec
 from tierstore.vllm.connector import TierStoreConnectorWorker
-from tierstore.vllm.spec import TierStoreSpec
 
 
 class _ScriptedWorker(OffloadingWorker):

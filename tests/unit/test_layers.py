@@ -63,6 +63,7 @@ def _layer(module: str) -> str:
     for prefix, layer in (
         ("tierstore.actors", "actors"),
         ("tierstore.vllm", "vllm adapter"),
+        ("tierstore.connector", "vllm adapter"),  # the connector's stable import path
         ("tierstore.deploy", "deploy"),
     ):
         if _within(module, prefix):
