@@ -232,6 +232,9 @@ def _deepseek_v3() -> Any:
     # DeepSeek-V3 routes (sigmoid scores plus a bias): vLLM reads that from topk_method
     # and scoring_func, which transformers' config does not write; without them vLLM has
     # no parameter for the checkpoint's e_score_correction_bias (KeyError at load).
+    # The latent KV row (kv_lora_rank + qk_rope_head_dim) must be a size vLLM's MLA
+    # supports (MLACommonBackend: 320, 512, 576), and the CPU decode kernel
+    # (mla_decode_kvcache_cpu) runs only 576 with its block size of 16.
     return DeepseekV3Config(
         topk_method="noaux_tc",
         scoring_func="sigmoid",
@@ -249,8 +252,8 @@ def _deepseek_v3() -> Any:
         n_group=1,
         topk_group=1,
         q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
         qk_nope_head_dim=32,
         v_head_dim=32,
         max_position_embeddings=4096,
