@@ -225,6 +225,42 @@ def _llama4() -> Any:
     )
 
 
+def _deepseek_v3() -> Any:
+    from transformers import DeepseekV3Config
+
+    # MLA: one latent KV cache group. A dense first layer, then MoE routed as transformers'
+    # DeepSeek-V3 routes (sigmoid scores plus a bias): vLLM reads that from topk_method
+    # and scoring_func, which transformers' config does not write; without them vLLM has
+    # no parameter for the checkpoint's e_score_correction_bias (KeyError at load).
+    # The latent KV row (kv_lora_rank + qk_rope_head_dim) must be a size vLLM's MLA
+    # supports (MLACommonBackend: 320, 512, 576), and the CPU decode kernel
+    # (mla_decode_kvcache_cpu) runs only 576 with its block size of 16.
+    return DeepseekV3Config(
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        vocab_size=_VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
 TINY_MODELS: dict[str, Callable[[], Any]] = {
     "llama": _llama,
     "gemma3": _gemma3,
@@ -235,6 +271,7 @@ TINY_MODELS: dict[str, Callable[[], Any]] = {
     "qwen3.6": _qwen3_5,
     "qwen3.6-moe": _qwen3_5_moe,
     "llama4": _llama4,
+    "deepseek-v3": _deepseek_v3,
 }
 
 # Engine settings a family needs on the CPU build, beyond the defaults.
