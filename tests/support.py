@@ -23,6 +23,13 @@ FAST_HEALTH_CHECKS = {
 }
 
 
+# Engine tests assert that prefixes are served; on this 2-core machine a spinning CPU
+# engine can delay the Evictor's answers past lookup_timeout_ms's 200 ms default
+# (controlplane benchmark under full load: p50 156 ms), which would turn hits into
+# correct but unasserted recomputes. The deadline itself: tests/vllm/test_lookup_deadline.py.
+E2E_LOOKUP_TIMEOUT_MS = 10_000.0
+
+
 def simulated_cluster(n_nodes: int, namespace: str, head_cpus: int = 0) -> tuple[Any, list[Any]]:
     """A head and ``n_nodes`` raylets of one CPU each on this machine (``ray.cluster_utils``),
     with fast failure detection; this process joins it as the driver."""

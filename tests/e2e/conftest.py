@@ -17,7 +17,7 @@ import pytest
 from tierstore.deploy.models import ENGINE_LIMITS, make_tiny_model
 from tierstore.deploy.passes import TIERSTORE_SPEC, random_prompt
 
-from tests.support import LOOPBACK
+from tests.support import E2E_LOOKUP_TIMEOUT_MS, LOOPBACK
 
 REPO = Path(__file__).resolve().parents[2]
 RAY_NAMESPACE = "tierstore-e2e"
@@ -137,6 +137,7 @@ def tierstore_extra(**overrides: Any) -> dict[str, Any]:
         **TIERSTORE_SPEC,
         "cpu_bytes_per_node": CPU_BYTES,
         "namespace": RAY_NAMESPACE,
+        "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
         **overrides,
     }
 

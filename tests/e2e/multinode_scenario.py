@@ -30,7 +30,7 @@ from tierstore.deploy.cli import collect_status
 from tierstore.deploy.engine_actor import start_engine_on
 from tierstore.deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 
-from tests.support import simulated_cluster, wait_for
+from tests.support import E2E_LOOKUP_TIMEOUT_MS, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-multinode"
@@ -67,7 +67,12 @@ def main(model: str, out_path: str) -> None:
     try:
         cfg = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE)
         ensure_actors(cfg)
-        extra = {**TIERSTORE_SPEC, "cpu_bytes_per_node": 1 << 30, "namespace": NAMESPACE}
+        extra = {
+            **TIERSTORE_SPEC,
+            "cpu_bytes_per_node": 1 << 30,
+            "namespace": NAMESPACE,
+            "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
+        }
         spec = EngineSpec(model=model, kv_extra_config=extra)
 
         engine_a = start_engine_on(node_a.node_id, spec)
