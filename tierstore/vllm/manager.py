@@ -21,14 +21,11 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
-    Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -43,9 +40,11 @@ from tierstore.config import TierStoreConfig
 from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of
+from tierstore.keys import ChunkKey, Namespace, NodeId, group_of
 from tierstore.vllm import metrics
 from tierstore.vllm.evictor_channel import EvictorChannel
+from tierstore.vllm.request_state import Answer, RequestState
+from tierstore.vllm.residency import MEDIUMS, locality, offloading_events
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
@@ -54,14 +53,8 @@ logger = logging.getLogger(__name__)
 # engine may run for weeks. Forgetting one only costs a duplicate store, which the
 # Evictor refuses.
 _KNOWN_STORED_MAX = 1_000_000
-# A MISS is trusted this long, then asked again: another engine may have stored it since.
-_MISS_TTL_S = 1.0
-# A chunk being promoted from disk is asked about again after this long.
-_PENDING_RETRY_S = 0.005
 # The Evictor's status (tier gauges) and KV events are fetched at most this often.
 _POLL_PERIOD_S = 1.0
-
-_MEDIUMS = {TierName.CPU: Medium.CPU, TierName.DISK: Medium.STORAGE}
 
 
 _RESULTS = {
@@ -69,33 +62,6 @@ _RESULTS = {
     LookupState.MISS: LookupResult.MISS,
     LookupState.PENDING: LookupResult.RETRY,  # promotion from disk under way
 }
-
-
-@dataclass
-class _Answer:
-    state: LookupState
-    where: dict[int, NodeId] | None  # rank -> node of a HIT
-    expires_at: float
-    tier: TierName = TierName.CPU  # where a HIT came from: DISK if it was promoted first
-
-
-@dataclass
-class _RequestState:
-    holder: str  # lease holder id at the Evictor
-    answers: dict[ChunkKey, _Answer] = field(default_factory=dict)
-    # key -> when it was first asked and not answered for good (HIT or MISS) since; a
-    # PENDING answer (promotion under way) keeps the first ask's time.
-    pending: dict[ChunkKey, float] = field(default_factory=dict)
-    unsent: list[ChunkKey] = field(default_factory=list)
-    unsent_since: float = 0.0  # when the oldest unsent key was first answered RETRY
-    in_flight: set[ChunkKey] = field(default_factory=set)  # sent, no answer back yet
-    promoting: set[ChunkKey] = field(default_factory=set)  # answered PENDING (on disk)
-    leased: set[ChunkKey] = field(default_factory=set)
-    loading: set[ChunkKey] = field(default_factory=set)
-    # (group, end token) -> key, to name each stored chunk's parent in its chain.
-    positions: dict[tuple[int, int], ChunkKey] = field(default_factory=dict)
-    finished: bool = False
-    load_failed: bool = False  # a load of it failed: it recomputes, never loads again
 
 
 class TierStoreManager(OffloadingManager):
@@ -120,7 +86,7 @@ class TierStoreManager(OffloadingManager):
         self._lookup_timeout_s = cfg.lookup_timeout_ms / 1000
         self._lock = threading.RLock()
         self._id = uuid.uuid4().hex[:12]
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._storing: set[ChunkKey] = set()
         self._known_stored: OrderedDict[ChunkKey, None] = OrderedDict()
         self._metrics = metrics.ManagerMetrics()
@@ -143,24 +109,12 @@ class TierStoreManager(OffloadingManager):
             self._state(req_context)
         return RequestOffloadingContext()
 
-    def _state(self, req_context: ReqContext) -> _RequestState:
+    def _state(self, req_context: ReqContext) -> RequestState:
         state = self._requests.get(req_context.req_id)
         if state is None:
-            state = _RequestState(holder=f"{self._id}/{req_context.req_id}")
+            state = RequestState(holder=f"{self._id}/{req_context.req_id}")
             self._requests[req_context.req_id] = state
         return state
-
-    def _remember_position(self, state: _RequestState, key: ChunkKey, ctx: ReqContext) -> None:
-        end = ctx.get_offload_key_position(key)
-        if end is not None:
-            state.positions[(group_of(key), end)] = key
-
-    def _parent(self, state: _RequestState, key: ChunkKey, ctx: ReqContext) -> ChunkKey | None:
-        end = ctx.get_offload_key_position(key)
-        step = self._tokens_per_chunk.get(group_of(key))
-        if end is None or not step:
-            return None
-        return state.positions.get((group_of(key), end - step))
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -180,48 +134,26 @@ class TierStoreManager(OffloadingManager):
                     ):
                         return LookupResult.MISS  # held where this request may not load from
                     return _RESULTS[answer.state]
-                del state.answers[key]
-                state.leased.discard(key)
+                state.expire(key)
             now = time.monotonic()
             asked_at = state.pending.get(key)
             if asked_at is None:
-                self._remember_position(state, key, req_context)  # once per ask is enough
-                state.pending[key] = now
-                self._send_later(state, key, now)
+                state.ask(key, req_context, now)
             elif now - asked_at > self._lookup_timeout_s:
-                return self._time_out(state, key, now)
+                # Computed as a miss; the late answer's lease is given back when it lands.
+                state.give_up(key, now)
+                self._metrics.count(metrics.LOOKUP_TIMEOUTS)
+                logger.debug("lookup of %s timed out; computed as a miss", key.hex())
+                return LookupResult.MISS
             elif key not in state.in_flight:  # answered PENDING: ask again
-                self._send_later(state, key, now)
+                state.send_later(key, now)
             return LookupResult.RETRY
 
-    def _send_later(self, state: _RequestState, key: ChunkKey, now: float) -> None:
-        if not state.unsent:
-            state.unsent_since = now
-        state.unsent.append(key)
-        state.in_flight.add(key)
-
-    def _time_out(self, state: _RequestState, key: ChunkKey, now: float) -> LookupResult:
-        """No answer within the deadline: a MISS for now (asked again after its TTL); the
-        late answer, when it lands, is dropped and its lease given back."""
-        del state.pending[key]
-        state.in_flight.discard(key)
-        state.promoting.discard(key)
-        state.answers[key] = _Answer(LookupState.MISS, None, now + _MISS_TTL_S)
-        self._metrics.count(metrics.LOOKUP_TIMEOUTS)
-        logger.debug("lookup of %s timed out; computed as a miss", key.hex())
-        return LookupResult.MISS
-
-    def _allowed(self, answer: _Answer, tier_filter: TierFilter) -> bool:
+    def _allowed(self, answer: Answer, tier_filter: TierFilter) -> bool:
         """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
         and one held on another node (any rank) as REMOTE."""
-        return tier_filter.allows(
-            _MEDIUMS[answer.tier], self._locality((answer.where or {}).values())
-        )
-
-    def _locality(self, nodes: Iterable[NodeId]) -> Locality:
-        """LOCAL when every copy named is on this engine's node."""
-        local = all(node == self._local_node for node in nodes)
-        return Locality.LOCAL if local else Locality.REMOTE
+        where = (answer.where or {}).values()
+        return tier_filter.allows(MEDIUMS[answer.tier], locality(where, self._local_node))
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -230,7 +162,7 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             for req_id, state in self._requests.items():
                 if state.unsent:
-                    keys, state.unsent = state.unsent, []
+                    keys = state.take_unsent()
                     self._channel.lookup(
                         self._namespace,
                         keys,
@@ -275,15 +207,7 @@ class TierStoreManager(OffloadingManager):
             if lost:
                 logger.warning("KV events: %d residency changes were lost (log wrapped)", lost)
             self._event_seq = next_seq
-            for event in events:
-                self._events.append(
-                    OffloadingEvent(
-                        keys=list(event.keys),
-                        medium=_MEDIUMS[TierName(event.tier)],
-                        removed=event.removed,
-                        locality=self._locality((event.node,)),
-                    )
-                )
+            self._events.extend(offloading_events(events, self._local_node))
 
     def _on_answers(
         self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer], asked_at: float
@@ -293,56 +217,25 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._requests.get(req_id)
             holder = state.holder if state is not None else f"{self._id}/{req_id}"
-            # Leased for an ask given up (finished, timed out) and not held by a later one:
-            # leases are per holder, so one still in use must not be released.
-            late = []
+            late = []  # leased for an ask given up: finished, or timed out
             if state is not None:
                 self._metrics.observe(metrics.LOOKUP_WAIT, now - asked_at)
             for key, (answer_state, where) in zip(keys, answers, strict=True):
                 answer_state = LookupState(answer_state)
                 if state is None or key not in state.pending:
-                    if answer_state != LookupState.MISS and (
-                        state is None or key not in state.leased
-                    ):
+                    if state is None or state.is_late(key, answer_state):
                         late.append(key)
                     continue
-                state.in_flight.discard(key)
-                self._take_answer(state, key, answer_state, where, now)
+                # Re-ask a HIT well before its lease ends.
+                tier = state.take(key, answer_state, where, now, self._cfg.lease_ttl_s / 2)
+                if answer_state == LookupState.HIT:
+                    self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
+                elif answer_state == LookupState.MISS:
+                    self._metrics.count(metrics.LOOKUP_MISSES)
+                    # Evicted (or never stored): let the next prepare_store offer it again.
+                    self._known_stored.pop(key, None)
             if late:
                 self._channel.release(self._namespace, late, holder)
-
-    def _take_answer(
-        self,
-        state: _RequestState,
-        key: ChunkKey,
-        answer_state: LookupState,
-        where: dict[int, NodeId] | None,
-        now: float,
-    ) -> None:
-        """Record the Evictor's answer for ``key`` (lock held)."""
-        tier = TierName.CPU
-        if answer_state == LookupState.PENDING:  # still waiting: keeps its first ask's time
-            state.promoting.add(key)
-        else:
-            del state.pending[key]
-            if answer_state == LookupState.HIT:
-                if key in state.promoting:
-                    state.promoting.discard(key)
-                    tier = TierName.DISK
-                self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
-            else:
-                self._metrics.count(metrics.LOOKUP_MISSES)
-        ttl = {
-            LookupState.HIT: self._cfg.lease_ttl_s / 2,  # re-ask well before the lease ends
-            LookupState.MISS: _MISS_TTL_S,
-            LookupState.PENDING: _PENDING_RETRY_S,
-        }[answer_state]
-        state.answers[key] = _Answer(answer_state, where, now + ttl, tier)
-        if answer_state == LookupState.MISS:
-            # Evicted (or never stored): let the next prepare_store offer it again.
-            self._known_stored.pop(key, None)
-        else:
-            state.leased.add(key)
 
     @override
     def has_pending_work(self) -> bool:
@@ -413,7 +306,7 @@ class TierStoreManager(OffloadingManager):
                 state.leased -= idle
             self._maybe_forget(req_context.req_id, state)
 
-    def _maybe_forget(self, req_id: str, state: _RequestState) -> None:
+    def _maybe_forget(self, req_id: str, state: RequestState) -> None:
         if state.finished and not state.loading:
             self._requests.pop(req_id, None)
 
@@ -425,12 +318,14 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._state(req_context)
             for key in keys:
-                self._remember_position(state, key, req_context)
+                state.remember_position(key, req_context)
             fresh = [k for k in keys if k not in self._known_stored and k not in self._storing]
             self._storing.update(fresh)
             if fresh:
                 self._job_started[frozenset(fresh)] = time.monotonic()
-            parents = tuple(self._parent(state, k, req_context) for k in fresh)
+            parents = tuple(
+                state.parent(k, req_context, self._tokens_per_chunk.get(group_of(k))) for k in fresh
+            )
             return PrepareStoreOutput(
                 keys_to_store=fresh,
                 store_spec=StoreSpec(self._namespace, tuple(fresh), parents),

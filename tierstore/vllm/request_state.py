@@ -1,0 +1,123 @@
+"""One request's lookups as the scheduler side tracks them: asked, sent, answered, leased.
+
+Plain bookkeeping, no Ray and no metrics: :class:`~tierstore.vllm.manager.TierStoreManager`
+owns one :class:`RequestState` per request and calls these methods with its lock held
+(scheduler thread, or the channel's thread when an answer lands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import ReqContext
+
+from tierstore.control.index import LookupState
+from tierstore.keys import ChunkKey, NodeId, TierName, group_of
+
+# A MISS is trusted this long, then asked again: another engine may have stored it since.
+MISS_TTL_S = 1.0
+# A chunk being promoted from disk is asked about again after this long.
+PENDING_RETRY_S = 0.005
+
+
+@dataclass
+class Answer:
+    state: LookupState
+    where: dict[int, NodeId] | None  # rank -> node of a HIT
+    expires_at: float
+    tier: TierName = TierName.CPU  # where a HIT came from: DISK if it was promoted first
+
+
+@dataclass
+class RequestState:
+    holder: str  # lease holder id at the Evictor
+    answers: dict[ChunkKey, Answer] = field(default_factory=dict)
+    # key -> when it was first asked and not answered for good (HIT or MISS) since; a
+    # PENDING answer (promotion under way) keeps the first ask's time.
+    pending: dict[ChunkKey, float] = field(default_factory=dict)
+    unsent: list[ChunkKey] = field(default_factory=list)
+    unsent_since: float = 0.0  # when the oldest unsent key was first answered RETRY
+    in_flight: set[ChunkKey] = field(default_factory=set)  # sent, no answer back yet
+    promoting: set[ChunkKey] = field(default_factory=set)  # answered PENDING (on disk)
+    leased: set[ChunkKey] = field(default_factory=set)
+    loading: set[ChunkKey] = field(default_factory=set)
+    # (group, end token) -> key, to name each stored chunk's parent in its chain.
+    positions: dict[tuple[int, int], ChunkKey] = field(default_factory=dict)
+    finished: bool = False
+    load_failed: bool = False  # a load of it failed: it recomputes, never loads again
+
+    # ---- chains --------------------------------------------------------------------------
+    def remember_position(self, key: ChunkKey, ctx: ReqContext) -> None:
+        end = ctx.get_offload_key_position(key)
+        if end is not None:
+            self.positions[(group_of(key), end)] = key
+
+    def parent(
+        self, key: ChunkKey, ctx: ReqContext, tokens_per_chunk: int | None
+    ) -> ChunkKey | None:
+        """The previous chunk of ``key``'s group in this request's prefix, if known."""
+        end = ctx.get_offload_key_position(key)
+        if end is None or not tokens_per_chunk:
+            return None
+        return self.positions.get((group_of(key), end - tokens_per_chunk))
+
+    # ---- asking --------------------------------------------------------------------------
+    def expire(self, key: ChunkKey) -> None:
+        """``key``'s answer is stale: it must be asked again."""
+        del self.answers[key]
+        self.leased.discard(key)
+
+    def ask(self, key: ChunkKey, ctx: ReqContext, now: float) -> None:
+        """First ask of ``key`` since its last final answer: send it with the step's batch."""
+        self.remember_position(key, ctx)  # once per ask is enough
+        self.pending[key] = now
+        self.send_later(key, now)
+
+    def send_later(self, key: ChunkKey, now: float) -> None:
+        if not self.unsent:
+            self.unsent_since = now
+        self.unsent.append(key)
+        self.in_flight.add(key)
+
+    def take_unsent(self) -> list[ChunkKey]:
+        keys, self.unsent = self.unsent, []
+        return keys
+
+    def give_up(self, key: ChunkKey, now: float) -> None:
+        """No answer within the deadline: a MISS for now (asked again after its TTL); the
+        late answer, when it lands, finds the key no longer pending."""
+        del self.pending[key]
+        self.in_flight.discard(key)
+        self.promoting.discard(key)
+        self.answers[key] = Answer(LookupState.MISS, None, now + MISS_TTL_S)
+
+    # ---- answers -------------------------------------------------------------------------
+    def is_late(self, key: ChunkKey, state: LookupState) -> bool:
+        """An answer for an ask given up. Its lease is given back only if no later ask
+        holds it: leases are per holder, so one still in use must not be released."""
+        return key not in self.pending and state != LookupState.MISS and key not in self.leased
+
+    def take(
+        self,
+        key: ChunkKey,
+        state: LookupState,
+        where: dict[int, NodeId] | None,
+        now: float,
+        hit_ttl_s: float,
+    ) -> TierName:
+        """Record the Evictor's answer for a pending ``key``; returns the tier a HIT came
+        from (DISK when it was promoted first)."""
+        self.in_flight.discard(key)
+        tier = TierName.CPU
+        if state == LookupState.PENDING:  # still waiting: keeps its first ask's time
+            self.promoting.add(key)
+        else:
+            del self.pending[key]
+            if state == LookupState.HIT and key in self.promoting:
+                self.promoting.discard(key)
+                tier = TierName.DISK
+        ttl = {LookupState.HIT: hit_ttl_s, LookupState.MISS: MISS_TTL_S}.get(state, PENDING_RETRY_S)
+        self.answers[key] = Answer(state, where, now + ttl, tier)
+        if state != LookupState.MISS:
+            self.leased.add(key)
+        return tier
