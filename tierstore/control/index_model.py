@@ -151,7 +151,7 @@ class IndexStats:
     replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore
     corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
-    corrupt_after_hit: int = 0  # failed verification on load: the engine was stopped
+    corrupt_after_hit: int = 0  # failed verification on load: the request recomputes
 
 
 @dataclass(frozen=True)
