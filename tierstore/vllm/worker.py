@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -41,7 +40,7 @@ from tierstore.errors import ChunkCorruptError, TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.store.ports import Reply
-from tierstore.vllm.device_copy import Scatter, make_copier
+from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
@@ -109,6 +108,9 @@ class TierStoreWorker(OffloadingWorker):
         # One thread keeps a job's put/ack ordered; Ray calls release the GIL while waiting.
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-xfer")
         self._jobs: dict[int, Future[TransferResult]] = {}
+        # Store job -> its copy out of the KV blocks: all that wait() needs (the blocks
+        # are free to reuse once it is done; the put and the ack may come later).
+        self._gathers: dict[int, Gathered] = {}
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
@@ -121,11 +123,10 @@ class TierStoreWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(dst_spec, StoreSpec), type(dst_spec)
         plan = self._plan(src_spec, len(dst_spec.keys), job_id)
-        started = time.perf_counter()
         gathered = self._copier.gather(plan, src_spec.block_ids)
-        self._track(
-            job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered, started)
-        )
+        with self._lock:
+            self._gathers[job_id] = gathered
+        self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered))
         return True
 
     def _store(
@@ -133,8 +134,7 @@ class TierStoreWorker(OffloadingWorker):
         job_id: int,
         spec: StoreSpec,
         plan: JobPlan,
-        gathered: Callable[[], np.ndarray],
-        started: float,
+        gathered: Gathered,
     ) -> TransferResult:
         buffer = gathered()
         try:
@@ -154,7 +154,8 @@ class TierStoreWorker(OffloadingWorker):
                 self._ports.report_failed_stores(1)
             except Exception:  # best effort: the Evictor may be what failed
                 logger.debug("could not report the failed store", exc_info=True)
-        return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+        # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
+        return TransferResult(job_id, True, plan.nbytes, gathered.copy_seconds)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
         parents = spec.parents or (None,) * len(spec.keys)
@@ -344,6 +345,8 @@ class TierStoreWorker(OffloadingWorker):
         with self._lock:
             done = [job_id for job_id, f in self._jobs.items() if f.done()]
             futures = [self._jobs.pop(job_id) for job_id in done]
+            for job_id in done:
+                self._gathers.pop(job_id, None)
         results = []
         for job_id, future in zip(done, futures, strict=True):
             exc = future.exception()
@@ -354,10 +357,15 @@ class TierStoreWorker(OffloadingWorker):
 
     @override
     def wait(self, job_ids: set[int]) -> None:
+        """vLLM flushes store jobs whose source blocks it is about to reuse: only their
+        copy must be done. Any other job is waited for whole (errors: get_finished)."""
         with self._lock:
-            futures = [self._jobs[j] for j in job_ids if j in self._jobs]
+            copies = [self._gathers[j] for j in job_ids if j in self._gathers]
+            futures = [self._jobs[j] for j in job_ids if j in self._jobs and j not in self._gathers]
+        for copy in copies:
+            copy.wait_copied()
         for future in futures:
-            future.exception()  # blocks; errors surface in get_finished
+            future.exception()  # blocks
 
     @override
     def shutdown(self) -> None:
