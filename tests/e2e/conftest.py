@@ -62,15 +62,16 @@ def _python_path() -> str:
     return os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cached = os.environ.get("TIERSTORE_TEST_MODELS")
     return Path(cached) if cached else tmp_path_factory.mktemp("models")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[str]:
-    """A real local Ray cluster owned by this test session; yields its address."""
+    """A real local Ray cluster owned by the e2e tests; yields its address. Package-scoped:
+    it is shut down before later folders (tests/vllm) start their own."""
     import ray
 
     # "local" starts a fresh cluster even if another runs on this machine.
@@ -86,7 +87,7 @@ def ray_cluster() -> Iterator[str]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def run_engine(
     ray_cluster: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[..., EngineRun]:
@@ -142,7 +143,7 @@ def tierstore_extra(**overrides: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_model(models_dir: Path) -> Callable[[str, str], str]:
     def make(name: str, dtype: str = "float32") -> str:
         return str(make_tiny_model(name, models_dir, dtype))
@@ -242,6 +243,6 @@ class FamilyRuns(dict):
         return self[name]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def runs(run_engine, tiny_model) -> FamilyRuns:
     return FamilyRuns(run_engine, tiny_model)
