@@ -30,6 +30,21 @@ FAST_HEALTH_CHECKS = {
 E2E_LOOKUP_TIMEOUT_MS = 10_000.0
 
 
+def init_local_ray(namespace: str) -> str:
+    """Join a fresh private Ray cluster on loopback ("local" starts one even if another
+    runs on this machine); returns its GCS address."""
+    import ray
+
+    ray.init(
+        address="local",
+        namespace=namespace,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address=LOOPBACK,
+    )
+    return ray.get_runtime_context().gcs_address
+
+
 def simulated_cluster(n_nodes: int, namespace: str, head_cpus: int = 0) -> tuple[Any, list[Any]]:
     """A head and ``n_nodes`` raylets of one CPU each on this machine (``ray.cluster_utils``),
     with fast failure detection; this process joins it as the driver."""

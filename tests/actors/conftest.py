@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from tierstore.actors.bootstrap import shutdown_actors
 
-from tests.support import LOOPBACK
+from tests.support import init_local_ray
 from tierstore.config import TierStoreConfig
 
 NAMESPACE = "tierstore-actor-tests"
@@ -17,13 +17,7 @@ NAMESPACE = "tierstore-actor-tests"
 def ray_local() -> Iterator[None]:
     import ray
 
-    ray.init(
-        address="local",
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address=LOOPBACK,
-    )
+    init_local_ray(NAMESPACE)
     yield
     ray.shutdown()
 

@@ -17,7 +17,7 @@ import pytest
 from tierstore.deploy.models import ENGINE_LIMITS, make_tiny_model
 from tierstore.deploy.passes import TIERSTORE_SPEC, random_prompt
 
-from tests.support import E2E_LOOKUP_TIMEOUT_MS, LOOPBACK
+from tests.support import E2E_LOOKUP_TIMEOUT_MS, init_local_ray
 
 REPO = Path(__file__).resolve().parents[2]
 RAY_NAMESPACE = "tierstore-e2e"
@@ -74,16 +74,7 @@ def ray_cluster() -> Iterator[str]:
     it is shut down before later folders (tests/vllm) start their own."""
     import ray
 
-    # "local" starts a fresh cluster even if another runs on this machine.
-    ray.init(
-        address="local",
-        namespace=RAY_NAMESPACE,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address=LOOPBACK,
-    )
-    address = ray.get_runtime_context().gcs_address
-    yield address
+    yield init_local_ray(RAY_NAMESPACE)
     ray.shutdown()
 
 
