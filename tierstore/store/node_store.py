@@ -7,11 +7,20 @@ it into memory this process owns, so the producing worker may exit without takin
 byte with it (ray-notes: a held ObjectRef dies with its owner). What to keep, demote,
 promote or drop is the Evictor's decision; the core carries it out and reports what
 failed.
+
+Threads (the actor's concurrency groups): ``load`` runs on several data threads at once;
+``store``, ``apply``, ``accept_replicas`` and ``register_inventory`` on one control
+thread; ``inventory``/``status`` on a third. The tiers lock their own indexes (never
+across a payload read or write), the core locks its stats, and no lock is ever held
+across an Evictor or peer call, so a load never waits on either. A load copies out of
+a shard array that is never written after it is stored: a concurrent drop only removes
+the tier's reference, and a dropped disk file fails the read cleanly.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -20,12 +29,13 @@ import numpy as np
 
 from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
-from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
+from tierstore.data.tiers.base import ShardMeta, StoredShard
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.ports import EvictorPort, PeerPort
+from tierstore.store.stats import NodeStoreStats, tier_status
 
 __all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardEntry"]
 
@@ -44,34 +54,6 @@ class ShardEntry(NamedTuple):
 
 
 @dataclass
-class NodeStoreStats:
-    stored_shards: int = 0
-    skipped_shards: int = 0
-    loaded_shards: int = 0
-    stored_bytes: int = 0
-    loaded_bytes: int = 0
-    dropped_shards: int = 0
-    demoted_shards: int = 0
-    promoted_shards: int = 0
-    replicas_sent: int = 0  # shards pushed to nodes that kept loading them
-    replicas_received: int = 0
-    failed_demotions: int = 0
-    corrupt_on_store: int = 0
-    corrupt_before_hit: int = 0
-    corrupt_after_hit: int = 0
-
-
-def _tier_status(tier: Tier | None) -> dict[str, int]:
-    if tier is None:
-        return {"used_bytes": 0, "capacity_bytes": 0, "chunks": 0}
-    return {
-        "used_bytes": tier.used_bytes,
-        "capacity_bytes": tier.capacity_bytes,
-        "chunks": len(tier),
-    }
-
-
-@dataclass
 class NodeStoreCore:
     node_id: NodeId
     cpu: MemoryTier
@@ -82,12 +64,19 @@ class NodeStoreCore:
     defer: Callable[[NodeActions], None] | None = None
     peers: PeerPort | None = None  # None: replicas cannot be pushed (reported failed)
     stats: NodeStoreStats = field(default_factory=NodeStoreStats)
+    _stats_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.defer is None:
             self.defer = self.apply
         if self.disk is not None:  # corrupt files found (and removed) while re-indexing
-            self.stats.corrupt_before_hit += self.disk.corrupt_files_removed
+            self._count(corrupt_before_hit=self.disk.corrupt_files_removed)
+
+    def _count(self, **deltas: int) -> None:
+        """Add to stats counters; any thread (loads count from several at once)."""
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     # ---- start-up ----------------------------------------------------------------------
     def register_inventory(self, after_evictor_restart: bool = False) -> int:
@@ -115,7 +104,10 @@ class NodeStoreCore:
         entries: list[ShardEntry],
         buffer: np.ndarray,
     ) -> int:
-        """Keep what the Evictor admits; returns the number of shards now held."""
+        """Keep what the Evictor admits; returns the number of shards now held.
+
+        Control thread. Blocks on the Evictor's ``admit`` (its deadline) with no lock
+        held, so loads go on meanwhile."""
         for entry in entries:
             if entry.offset < 0 or entry.offset + entry.nbytes > buffer.nbytes:
                 raise ValueError(
@@ -134,12 +126,12 @@ class NodeStoreCore:
         lost: list[ShardId] = []
         for entry, accepted in zip(entries, decision.accepted, strict=True):
             if not accepted:
-                self.stats.skipped_shards += 1
+                self._count(skipped_shards=1)
                 continue
             shard_id = ShardId(namespace, entry.key, rank)
             data = np.array(buffer[entry.offset : entry.offset + entry.nbytes], copy=True)
             if digest(data) != entry.digest:
-                self.stats.corrupt_on_store += 1
+                self._count(corrupt_on_store=1)
                 logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
                 lost.append(shard_id)
                 continue
@@ -148,12 +140,11 @@ class NodeStoreCore:
                 self.cpu.put(shard_id, StoredShard(meta, data))
             except TierFullError:
                 logger.warning("CPU tier refused an admitted shard; skipping it", exc_info=True)
-                self.stats.skipped_shards += 1
+                self._count(skipped_shards=1)
                 lost.append(shard_id)
                 continue
             kept += 1
-            self.stats.stored_shards += 1
-            self.stats.stored_bytes += entry.nbytes
+            self._count(stored_shards=1, stored_bytes=entry.nbytes)
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
         if persist:
@@ -162,7 +153,9 @@ class NodeStoreCore:
 
     # ---- the Evictor's decisions ---------------------------------------------------------
     def apply(self, actions: NodeActions) -> None:
-        """Drop, demote, promote, persist, push: each step makes the room the next one needs."""
+        """Drop, demote, promote, persist, push: each step makes the room the next one needs.
+
+        Control thread; disk writes and reads happen here, outside every lock."""
         self.drop(actions.drop)
         lost = [s for s in map(_shard_id, actions.demote) if not self._demote(s)]
         done, failed = [], []
@@ -181,7 +174,7 @@ class NodeStoreCore:
             freed += self.cpu.delete(shard_id)
             if self.disk is not None:
                 freed += self.disk.delete(shard_id)
-            self.stats.dropped_shards += 1
+            self._count(dropped_shards=1)
         return freed
 
     def _write_to_disk(self, shard_id: ShardId) -> bool:
@@ -190,13 +183,13 @@ class NodeStoreCore:
             return False
         if shard_id in self.disk:
             return True
-        if shard_id not in self.cpu:
-            return False
         try:
             self.disk.put(shard_id, self.cpu.get(shard_id))
+        except ChunkNotFoundError:
+            return False  # not in memory (a load may have just dropped it as corrupt)
         except (TierFullError, ValueError):
             logger.warning("writing %s to disk failed", shard_id.key.hex(), exc_info=True)
-            self.stats.failed_demotions += 1
+            self._count(failed_demotions=1)
             return False
         return True
 
@@ -205,7 +198,7 @@ class NodeStoreCore:
         written = self._write_to_disk(shard_id)
         self.cpu.delete(shard_id)
         if written:
-            self.stats.demoted_shards += 1
+            self._count(demoted_shards=1)
         return written
 
     def _persist(self, shard_id: ShardId) -> bool:
@@ -219,23 +212,25 @@ class NodeStoreCore:
         """Disk -> CPU, verified: a corrupt or truncated file becomes a miss, never a HIT."""
         if shard_id in self.cpu:
             return True
-        if self.disk is None or shard_id not in self.disk:
+        if self.disk is None:
             return False
         try:
             shard = self.disk.get(shard_id)  # verifies length and checksum
             self.cpu.put(shard_id, shard)  # the disk copy stays: a later demotion is free
+        except ChunkNotFoundError:
+            return False
         except ChunkCorruptError:
             logger.warning(
                 "corrupt chunk file for %s removed; it will be recomputed",
                 shard_id.key.hex(),
                 exc_info=True,
             )
-            self.stats.corrupt_before_hit += 1
+            self._count(corrupt_before_hit=1)
             return False
         except TierFullError:
             logger.warning("no CPU room to promote %s", shard_id.key.hex(), exc_info=True)
             return False
-        self.stats.promoted_shards += 1
+        self._count(promoted_shards=1)
         return True
 
     # ---- replicas ----------------------------------------------------------------------
@@ -257,7 +252,7 @@ class NodeStoreCore:
                 assert self.peers is not None
                 buffer = np.concatenate([s.data for _, s in sent])
                 self.peers.accept_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
-                self.stats.replicas_sent += len(sent)
+                self._count(replicas_sent=len(sent))
             if failed:
                 self.evictor.replicated(node, [], failed)
 
@@ -271,9 +266,11 @@ class NodeStoreCore:
                 return shard
             if self.disk is not None and shard_id in self.disk:
                 return self.disk.get(shard_id)  # verifies
+        except ChunkNotFoundError:
+            return None  # dropped meanwhile
         except ChunkCorruptError:
             logger.warning("not replicating corrupt %s", shard_id.key.hex(), exc_info=True)
-            self.stats.corrupt_before_hit += 1
+            self._count(corrupt_before_hit=1)
             self.drop([shard_id])
             self.evictor.forget_shards(self.node_id, [shard_id])
         return None
@@ -288,7 +285,7 @@ class NodeStoreCore:
             data = np.array(buffer[offset : offset + meta.nbytes], copy=True)
             offset += meta.nbytes
             if data.nbytes != meta.nbytes or digest(data) != meta.digest:
-                self.stats.corrupt_on_store += 1
+                self._count(corrupt_on_store=1)
                 failed.append(shard_id)
                 continue
             try:
@@ -297,7 +294,7 @@ class NodeStoreCore:
                 logger.warning("no CPU room for replica %s", shard_id.key.hex(), exc_info=True)
                 failed.append(shard_id)
                 continue
-            self.stats.replicas_received += 1
+            self._count(replicas_received=1)
             done.append(shard_id)
         self.evictor.replicated(self.node_id, done, failed)
 
@@ -305,23 +302,26 @@ class NodeStoreCore:
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> tuple[np.ndarray, list[ShardMeta]]:
-        """The shards of ``keys``, back to back in one buffer, each verified first."""
+        """The shards of ``keys``, back to back in one buffer, each verified first.
+
+        Data threads, several at once. Waits on no other call and holds no lock while
+        it copies; a shard dropped meanwhile raises ChunkNotFoundError or, if its disk
+        file vanished under the read, ChunkCorruptError: never other bytes."""
         shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
         out = np.empty(sum(s.meta.nbytes for s in shards), dtype=np.uint8)
         offset = 0
         for shard in shards:
             out[offset : offset + shard.meta.nbytes] = shard.data
             offset += shard.meta.nbytes
-        self.stats.loaded_shards += len(shards)
-        self.stats.loaded_bytes += offset
+        self._count(loaded_shards=len(shards), loaded_bytes=offset)
         return out, [s.meta for s in shards]
 
     def _held(self, shard_id: ShardId) -> StoredShard:
-        if shard_id in self.cpu:
-            shard = self.cpu.get(shard_id)
+        shard = self.cpu.find(shard_id)
+        if shard is not None:
             if digest(shard.data) != shard.meta.digest:
                 # The bytes changed in memory after the HIT was promised: fail the load.
-                self.stats.corrupt_after_hit += 1
+                self._count(corrupt_after_hit=1)
                 self.cpu.delete(shard_id)
                 self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise ChunkCorruptError(
@@ -333,7 +333,7 @@ class NodeStoreCore:
             try:
                 return self.disk.get(shard_id)
             except ChunkCorruptError:
-                self.stats.corrupt_after_hit += 1
+                self._count(corrupt_after_hit=1)
                 self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise
         raise ChunkNotFoundError(
@@ -351,10 +351,14 @@ class NodeStoreCore:
     def status(self) -> dict[str, object]:
         return {
             "node_id": self.node_id,
-            "cpu": _tier_status(self.cpu),
-            "disk": _tier_status(self.disk),
-            "stats": dict(vars(self.stats)),
+            "cpu": tier_status(self.cpu),
+            "disk": tier_status(self.disk),
+            "stats": self._stats_snapshot(),
         }
+
+    def _stats_snapshot(self) -> dict[str, int]:
+        with self._stats_lock:
+            return dict(vars(self.stats))
 
     def corrupt_in_memory(self, shard_id: ShardId) -> None:
         """Flip one byte of a shard held in memory (tests prove it is never served)."""

@@ -32,7 +32,8 @@ class StoredShard:
 class Tier(ABC):
     """A bounded store of shards.
 
-    Called only from the owning NodeStore's thread; methods never block on the network.
+    Thread-safe (the NodeStore loads on several threads while it stores and drops on
+    another); methods never block on the network and hold no lock across payload I/O.
     Which shards to evict is not the tier's decision: the Evictor decides, and the
     NodeStore calls :meth:`delete`. A tier only refuses what does not fit.
     """
