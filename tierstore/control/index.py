@@ -8,7 +8,9 @@ Vocabulary:
   disk tier, or both. The disk tier is written through (each new shard is copied to
   disk after it is acknowledged, when there is room), so a restart loses nothing that
   reached disk, and demoting a shard that is already on disk only frees its memory;
-- a *chunk* ``(namespace, key)`` is loadable when every rank's shard is in a CPU tier;
+- a *chunk* ``(namespace, key)`` is loadable when every rank's shard is held. A lookup
+  promotes its disk-only shards to CPU first where there is room, else it is loaded
+  straight from disk (see :meth:`ChunkIndex.lookup`);
 - a *unit* is every group's chunk at one token boundary (the key minus its group
   suffix). Units are what the policy orders and what is evicted: a hybrid model's
   boundary is only usable with every group present.

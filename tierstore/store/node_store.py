@@ -351,7 +351,9 @@ class NodeStoreCore:
                     "failed its checksum in memory"
                 )
             return shard
-        if self.disk is not None and shard_id in self.disk:  # not promoted yet: still safe
+        # A HIT from disk (no CPU room to promote it), or a promotion not done yet: the
+        # lease keeps the file, and the read verifies it.
+        if self.disk is not None and shard_id in self.disk:
             try:
                 return self.disk.get(shard_id)
             except ChunkCorruptError:
