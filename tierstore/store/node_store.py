@@ -119,9 +119,17 @@ class NodeStoreCore:
         ]
         decision = self.evictor.admit(self.node_id, offers)
         own = decision.actions.get(self.node_id, NodeActions())
+        # A shard of this batch that the Evictor demoted while admitting later ones (a
+        # prompt larger than the CPU tier) goes straight to disk: it never was in memory.
+        batch = {
+            ShardId(namespace, e.key, rank)
+            for e, accepted in zip(entries, decision.accepted, strict=True)
+            if accepted
+        }
+        to_disk = {s for s in map(_shard_id, own.demote) if s in batch}
         # Room first; the write-through copies only once the shards are in memory.
-        persist = own.persist
-        self.apply(NodeActions(drop=own.drop, demote=own.demote, promote=own.promote))
+        demote = [s for s in own.demote if _shard_id(s) not in to_disk]
+        self.apply(NodeActions(drop=own.drop, demote=demote, promote=own.promote))
         kept = 0
         lost: list[ShardId] = []
         for entry, accepted in zip(entries, decision.accepted, strict=True):
@@ -136,20 +144,32 @@ class NodeStoreCore:
                 lost.append(shard_id)
                 continue
             meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
-            try:
-                self.cpu.put(shard_id, StoredShard(meta, data))
-            except TierFullError:
-                logger.warning("CPU tier refused an admitted shard; skipping it", exc_info=True)
-                self._count(skipped_shards=1)
+            if not self._keep(shard_id, StoredShard(meta, data), shard_id in to_disk):
                 lost.append(shard_id)
                 continue
             kept += 1
             self._count(stored_shards=1, stored_bytes=entry.nbytes)
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
-        if persist:
-            self.defer(NodeActions(persist=persist))
+        if own.persist:
+            self.defer(NodeActions(persist=own.persist))
         return kept
+
+    def _keep(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
+        """Hold an admitted shard in memory, or ``to_disk`` (demoted on admission): written
+        in the store call, since the CPU tier has no room to hold it until later."""
+        try:
+            if to_disk and self.disk is not None:
+                self.disk.put(shard_id, shard)
+                self._count(demoted_shards=1)
+            else:
+                self.cpu.put(shard_id, shard)
+        except (TierFullError, ValueError):
+            tier = "disk" if to_disk else "CPU"
+            logger.warning("%s tier refused admitted %s", tier, shard_id.key.hex(), exc_info=True)
+            self._count(skipped_shards=1)
+            return False
+        return True
 
     # ---- the Evictor's decisions ---------------------------------------------------------
     def apply(self, actions: NodeActions) -> None:
@@ -329,7 +349,9 @@ class NodeStoreCore:
                     "failed its checksum in memory"
                 )
             return shard
-        if self.disk is not None and shard_id in self.disk:  # not promoted yet: still safe
+        # A HIT from disk (no CPU room to promote it), or a promotion not done yet: the
+        # lease keeps the file, and the read verifies it.
+        if self.disk is not None and shard_id in self.disk:
             try:
                 return self.disk.get(shard_id)
             except ChunkCorruptError:
