@@ -93,9 +93,9 @@ def disk_tier_fs(root: Path, size_mib: int) -> Iterator[bool]:
 
 
 @contextmanager
-def soak_cluster() -> Iterator[Any]:
-    """A head (no CPUs for tasks) and two one-CPU raylets on loopback; this process is
-    its driver. Node loss is declared in ~5 s (Ray's default: ~30 s)."""
+def soak_cluster(workers: int) -> Iterator[Any]:
+    """A head (no CPUs for tasks) and ``workers`` one-CPU raylets on loopback; this
+    process is its driver. Node loss is declared in ~5 s (Ray's default: ~30 s)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -109,7 +109,7 @@ def soak_cluster() -> Iterator[Any]:
         initialize_head=True,
         head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "_system_config": health},
     )
-    for _ in range(2):
+    for _ in range(workers):
         cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     try:
@@ -166,6 +166,8 @@ def ttfts(responses: list[Response]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     token_auth()
+    for client_log in ("httpx", "httpx2"):  # a line per request otherwise
+        logging.getLogger(client_log).setLevel(logging.WARNING)
     from tierstore.deploy.bench.soak_run import soak
 
     return soak(args, QUICK if args.quick else FULL)

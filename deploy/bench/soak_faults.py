@@ -144,14 +144,13 @@ def kill_evictor(namespace: str, out: Injected) -> None:
     out.record("kill_evictor", started)
 
 
-def remove_node(cluster: Any, node: Any, out: Injected) -> Any:
-    """Removes a raylet abruptly (its NodeStore and whatever it held go with it), then
-    adds a fresh one so the cluster keeps its size; returns the new node."""
+def remove_node(cluster: Any, node: Any, out: Injected) -> None:
+    """Removes a raylet abruptly: its NodeStore and whatever it held go with it (and the
+    Evictor, if it lived there: Ray restarts it elsewhere). ``cluster.add_node`` works
+    only on the main thread, so the cluster starts with a spare raylet per removal."""
     started = time.monotonic()
     cluster.remove_node(node, allow_graceful=False)
-    fresh = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    out.record("remove_node", started, removed=node.node_id, added=fresh.node_id)
-    return fresh
+    out.record("remove_node", started, removed=node.node_id)
 
 
 def _chunk_files(root: Path) -> list[Path]:

@@ -164,7 +164,7 @@ def soak(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
     model = str(make_tiny_model("llama", models, "float32"))
     ref = reference_run(model, plan, args.out)
     root = args.out / "disk-tier"
-    with disk_tier_fs(root, plan.tmpfs_mib) as fs, soak_cluster() as cluster:
+    with disk_tier_fs(root, plan.tmpfs_mib) as fs, soak_cluster(1 + plan.cycles) as cluster:
         extra = store_extra(root, args.quick)
         ensure_actors(TierStoreConfig.from_extra_config(extra))
         argv = server_argv(model, _free_port(), extra, DEVICE_BLOCKS)
