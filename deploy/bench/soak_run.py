@@ -67,6 +67,7 @@ class Injector(threading.Thread):
         self.cluster, self.server, self.root, self.fs, self.plan = cluster, server, root, fs, plan
         self.ledger = faults.CorruptionLedger(NAMESPACE)
         self.out = faults.Injected()
+        self.sweep_restart = faults.Injected()  # the sweep's own NodeStore restart
         self.errors: list[str] = []
         self.done = threading.Event()
 
@@ -122,8 +123,12 @@ def reference_run(model: str, plan: Plan, out_dir: Path) -> list[Response]:
 
 
 def _sweep(server: ApiServer, model: str, reference: dict, injector: Injector, plan: Plan):
-    """Every reference prompt again, the device cache emptied first, until every corrupt
-    file has been read (a chain with several needs a pass per file)."""
+    """Every reference prompt again until every corrupt file has been read. The engine
+    node's NodeStore is restarted first, so no chunk is left in its CPU tier (where a
+    load would never read the corrupt file behind it) and every hit is a promotion from
+    disk, which verifies it; the device cache is emptied before each pass. A chain with
+    several corrupt files needs a pass per file."""
+    faults.kill_node_store(NAMESPACE, _engine_node(), injector.ledger, injector.sweep_restart)
     swept: list[Response] = []
     prompts = [list(p) for p in reference]
     for _ in range(_SWEEPS):
@@ -152,6 +157,10 @@ def _figures(
         "disk_restart": {
             "acknowledged": inj.out.disk_acknowledged,
             "found_after": inj.out.disk_found_after,
+        },
+        "sweep_restart": {  # after the corruption: truncated files are rejected on re-index
+            "acknowledged": inj.sweep_restart.disk_acknowledged,
+            "found_after": inj.sweep_restart.disk_found_after,
         },
         "faults": inj.out.faults,
         "injector_errors": inj.errors,

@@ -78,3 +78,7 @@ def test_chunks_on_disk_before_a_node_store_restart_are_found_after_it(soak: dic
     assert restart["acknowledged"] > 0, restart
     # --quick corrupts files only after the NodeStore restart: every chunk is found.
     assert restart["found_after"] == restart["acknowledged"], restart
+    # The sweep's restart comes after the corruption: only corrupt files may be missing.
+    swept = soak["sweep_restart"]
+    lost = swept["acknowledged"] - swept["found_after"]
+    assert swept["acknowledged"] > 0 and 0 <= lost <= soak["corruptions"]["injected"], swept
