@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ _STOP_GRACE_S = 30.0
 _RESET_TIMEOUT_S = 60.0
 _HTTP_TIMEOUT_S = 10.0
 _LOG_TAIL_CHARS = 8_000
+_LE = re.compile(r'le="([^"]+)"')
 
 
 class ApiServer:
@@ -117,7 +119,8 @@ class ApiServer:
             time.sleep(0.5)
 
     def metrics(self) -> dict[str, float]:
-        """``tierstore:*`` samples of /metrics, summed over labels (``_created`` left out)."""
+        """``tierstore:*`` samples of /metrics, summed over labels but a histogram's ``le``
+        (``_created`` left out)."""
         with urllib.request.urlopen(self.base + "/metrics", timeout=_HTTP_TIMEOUT_S) as resp:
             text = resp.read().decode()
         out: dict[str, float] = {}
@@ -125,7 +128,9 @@ class ApiServer:
             name, _, value = line.rpartition(" ")
             metric = name.split("{", 1)[0]
             if metric.startswith("tierstore:") and not metric.endswith("_created"):
-                out[metric] = out.get(metric, 0.0) + float(value)
+                le = _LE.search(name)  # a histogram's buckets stay apart
+                key = f'{metric}{{le="{le.group(1)}"}}' if le else metric
+                out[key] = out.get(key, 0.0) + float(value)
         return out
 
 
