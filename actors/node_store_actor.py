@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import time
 from pathlib import Path
 from typing import IO
 
@@ -50,6 +51,8 @@ _CONTROL = ray.method(concurrency_group="control")
 # bound a store while it is stuck or restarting (the worker's own transfer deadline is
 # what fails the job). A restore offers a node's whole inventory, so it gets longer.
 _REGISTER_TIMEOUT_S = 30.0
+# A killed NodeStore's process exits a moment after ray.kill returns (seconds when busy).
+_PREDECESSOR_EXIT_S = 30.0
 _ADMIT_TIMEOUT_S = 30.0
 _RESTORE_TIMEOUT_S = 120.0
 # Pulling a job or replica buffer from its producer's object store: milliseconds on one
@@ -111,14 +114,36 @@ def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     for path in (root, root / f"node-{node_id}"):
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = open(path / ".lock", "w")  # held for the actor's lifetime
+        lock = _lock_dir(path, node_id)
+        if lock is not None:
+            return path, lock  # held for the actor's lifetime
+        logger.warning("%s is used by another NodeStore on this machine", path)
+    raise RuntimeError(f"cannot claim a disk tier directory under {root}")
+
+
+def _lock_dir(path: Path, node_id: str) -> IO[str] | None:
+    """The directory's lock, with this node's id written in it; None if another node's
+    NodeStore holds it. A holder of this same node is a killed predecessor whose process
+    has not exited yet (``ray.kill`` returns first): it is waited for, bounded, or the
+    restarted NodeStore would take a fresh directory and never find the node's chunks."""
+    deadline = time.monotonic() + _PREDECESSOR_EXIT_S
+    while True:
+        lock = open(path / ".lock", "a+")  # "a+": never truncate a holder's node id
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return path, lock
         except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip()
             lock.close()
-            logger.warning("%s is used by another NodeStore on this machine", path)
-    raise RuntimeError(f"cannot claim a disk tier directory under {root}")
+            if holder != node_id or time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+            continue
+        lock.seek(0)
+        lock.truncate()
+        lock.write(node_id)
+        lock.flush()
+        return lock
 
 
 class NodeStore:

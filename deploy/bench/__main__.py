@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "tierstore.deploy.bench.e2e",
     "evictor": "tierstore.deploy.bench.evictor",
     "crossnode": "tierstore.deploy.bench.crossnode",
+    "soak": "tierstore.deploy.bench.soak",
 }
 
 

@@ -1,0 +1,219 @@
+"""The soak's faults, each with a bounded recovery, and the counters that judge them.
+
+Everything here runs in the soak's driver process (a driver of the soak's own Ray
+cluster), on the injector's thread; each Ray call has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from tierstore.actors.placement import EVICTOR_NAME, node_store_name
+
+logger = logging.getLogger(__name__)
+
+_CALL_TIMEOUT_S = 30.0
+_RECOVERY_TIMEOUT_S = 120.0  # a new NodeStore: the Evictor's reconcile plus an actor start
+_CORRUPT_STATS = ("corrupt_before_hit", "corrupt_after_hit")
+
+
+def _node_store(namespace: str, node_id: str) -> Any | None:
+    try:
+        return ray.get_actor(node_store_name(node_id), namespace=namespace)
+    except ValueError:
+        return None
+
+
+def node_store_status(namespace: str, node_id: str) -> dict[str, Any] | None:
+    store = _node_store(namespace, node_id)
+    if store is None:
+        return None
+    try:
+        return ray.get(store.status.remote(), timeout=_CALL_TIMEOUT_S)
+    except ray.exceptions.RayError:
+        return None
+
+
+@dataclass
+class CorruptionLedger:
+    """Corruptions the NodeStores detected, kept across NodeStore restarts: a killed
+    actor's counters die with it, so each incarnation's last reading is banked."""
+
+    namespace: str
+    seen: dict[str, int] = field(default_factory=dict)  # actor id -> its last reading
+
+    def poll(self, node_ids: list[str]) -> int:
+        for node_id in node_ids:
+            store = _node_store(self.namespace, node_id)
+            status = node_store_status(self.namespace, node_id) if store else None
+            if status is not None:
+                found = sum(int(status["stats"][c]) for c in _CORRUPT_STATS)
+                self.seen[store._actor_id.hex()] = found
+        return self.detected
+
+    @property
+    def detected(self) -> int:
+        return sum(self.seen.values())
+
+
+@dataclass
+class Injected:
+    """What the injector did, for the figures."""
+
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    # Each corrupt file as left: path, size, last byte (flipped, or truncated by one byte).
+    corrupted: list[tuple[Path, int, int]] = field(default_factory=list)
+    disk_acknowledged: int = 0  # shards on disk in a NodeStore's inventory before its kill
+    disk_found_after: int = 0  # of those, in the inventory of the NodeStore that replaced it
+
+    def record(self, kind: str, started: float, **facts: Any) -> None:
+        took = round(time.monotonic() - started, 2)
+        self.faults.append({"fault": kind, "recovery_s": took, **facts})
+        logger.info("fault %s done in %.1f s: %s", kind, took, facts)
+
+    def unread(self) -> int:
+        """Corrupt files still on disk as left: never read, so never detected (nor served:
+        a read verifies the checksum and the length)."""
+        left = 0
+        for path, size, last in self.corrupted:
+            try:
+                if path.stat().st_size == size and path.read_bytes()[-1] == last:
+                    left += 1
+            except OSError:
+                continue
+        return left
+
+
+def _disk_inventory(namespace: str, node_id: str) -> set[Any]:
+    store = _node_store(namespace, node_id)
+    if store is None:
+        return set()
+    held = ray.get(store.inventory.remote(), timeout=_CALL_TIMEOUT_S)
+    return {shard for shard, tier in held if tier == "disk"}
+
+
+def kill_node_store(namespace: str, node_id: str, ledger: CorruptionLedger, out: Injected):
+    """Kills the NodeStore (no restart: the Evictor's reconcile places a new one, which
+    re-indexes the node's disk tier); records how many disk shards it found again."""
+    started = time.monotonic()
+    before = _disk_inventory(namespace, node_id)
+    ledger.poll([node_id])
+    old = _node_store(namespace, node_id)
+    if old is None:
+        raise RuntimeError(f"no NodeStore on node {node_id} to kill")
+    old_id = old._actor_id.hex()
+    ray.kill(old, no_restart=True)
+
+    def replaced() -> bool:
+        new = _node_store(namespace, node_id)
+        return (
+            new is not None
+            and new._actor_id.hex() != old_id
+            and bool(node_store_status(namespace, node_id))
+        )
+
+    _wait(replaced, f"a new NodeStore on node {node_id}")
+    after = _disk_inventory(namespace, node_id)
+    out.disk_acknowledged += len(before)
+    out.disk_found_after += len(before & after)
+    out.record("kill_node_store", started, disk_before=len(before), found=len(before & after))
+
+
+def kill_evictor(namespace: str, out: Injected) -> None:
+    """Kills the Evictor; Ray restarts it and the NodeStores re-register their chunks."""
+    started = time.monotonic()
+    evictor = ray.get_actor(EVICTOR_NAME, namespace=namespace)
+    ray.kill(evictor, no_restart=False)
+
+    def answers() -> bool:
+        try:
+            handle = ray.get_actor(EVICTOR_NAME, namespace=namespace)
+            return ray.get(handle.status.remote(), timeout=_CALL_TIMEOUT_S)["chunks"] >= 0
+        except (ValueError, ray.exceptions.RayError):
+            return False
+
+    _wait(answers, "the Evictor answering after its restart")
+    out.record("kill_evictor", started)
+
+
+def remove_node(cluster: Any, node: Any, out: Injected) -> None:
+    """Removes a raylet abruptly: its NodeStore and whatever it held go with it (and the
+    Evictor, if it lived there: Ray restarts it elsewhere). ``cluster.add_node`` works
+    only on the main thread, so the cluster starts with a spare raylet per removal."""
+    started = time.monotonic()
+    cluster.remove_node(node, allow_graceful=False)
+    out.record("remove_node", started, removed=node.node_id)
+
+
+def _chunk_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.chunk") if p.is_file())
+
+
+def corrupt_files(root: Path, flips: int, truncations: int, seed: int, out: Injected) -> None:
+    """Flips the last payload byte of some chunk files and truncates others by one byte."""
+    started = time.monotonic()
+    files = _chunk_files(root)
+    chosen = random.Random(seed).sample(files, min(len(files), flips + truncations))
+    for path in chosen[:flips]:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        out.corrupted.append((path, len(data), data[-1]))
+    for path in chosen[flips:]:
+        size = path.stat().st_size - 1
+        os.truncate(path, size)
+        out.corrupted.append((path, size, path.read_bytes()[-1]))
+    out.record(
+        "corrupt_files",
+        started,
+        files=len(files),
+        flipped=len(chosen[:flips]),
+        truncated=len(chosen[flips:]),
+    )
+
+
+def fill_disk(root: Path, hold_s: float, out: Injected) -> None:
+    """Fills the disk tier's filesystem to the last byte for ``hold_s``, then frees it."""
+    started = time.monotonic()
+    filler = root / "soak-filler"
+    stat = os.statvfs(root)
+    free = stat.f_bavail * stat.f_frsize
+    with open(filler, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, free)
+        except OSError:
+            pass
+        try:  # whatever fallocate left (tmpfs rounds to pages): until ENOSPC
+            while f.write(b"\0" * 65536):
+                f.flush()
+        except OSError:
+            pass
+    stat = os.statvfs(root)
+    left = stat.f_bavail * stat.f_frsize
+    time.sleep(hold_s)
+    filler.unlink()
+    out.record("fill_disk", started, filled_bytes=free, bytes_left=left, held_s=hold_s)
+
+
+def restart_server(server: Any, out: Injected) -> None:
+    """SIGKILLs the API server's process group (server, engine core, worker), starts it."""
+    started = time.monotonic()
+    server.kill()
+    start_s = server.start()
+    out.record("restart_server", started, start_s=round(start_s, 1))
+
+
+def _wait(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + _RECOVERY_TIMEOUT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"never saw {what} in {_RECOVERY_TIMEOUT_S} s")
+        time.sleep(0.2)
