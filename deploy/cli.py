@@ -65,10 +65,13 @@ def collect_status(namespace: str) -> dict[str, Any]:
             continue
         nodes.append(NodeStoreClient(store, node["NodeID"]).status().result(_STATUS_TIMEOUT_S))
     stats = evictor_status["totals"]
-    # Corruption is detected where the bytes are: sum what each NodeStore found,
-    # including files it rejected while re-indexing its disk at start-up.
+    # Corruption is detected where the bytes are. Neither count is whole: the NodeStores
+    # alive now include files rejected while re-indexing their disks (never reported to
+    # the Evictor) but not what a NodeStore that since restarted found; the Evictor's
+    # total keeps those. Report the larger, a lower bound on what was detected.
     for counter in ("corrupt_before_hit", "corrupt_after_hit"):
-        stats[counter] = sum(node["stats"][counter] for node in nodes)
+        found_by_nodes = sum(node["stats"][counter] for node in nodes)
+        stats[counter] = max(stats.get(counter, 0), found_by_nodes)
     return {
         "nodes": nodes,
         "totals": {**stats, "indexed_chunks": evictor_status["chunks"]},
