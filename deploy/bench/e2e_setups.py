@@ -60,7 +60,7 @@ _TINY_QUICK: dict[str, Any] = {
 _SMALL_FULL: dict[str, Any] = {
     "device_blocks": 72,
     "max_model_len": 2048,
-    "cpu_bytes": 8 << 20,  # 64 chunks of 128 KiB: two of the four shared prefixes
+    "cpu_bytes": 8 << 20,  # 64 chunks of 128 KiB: two of the three shared prefixes
     "disk_bytes": 1 << 30,
     "max_tokens": 8,
     "workloads": {
@@ -71,7 +71,7 @@ _SMALL_FULL: dict[str, Any] = {
         },
         "prefix_repetition": {
             "kind": "prefix_repetition",
-            "params": {"num_prefixes": 4, "prefix_len": 1024, "suffix_len": 64, "repeats": 3},
+            "params": {"num_prefixes": 3, "prefix_len": 1024, "suffix_len": 64, "repeats": 3},
         },
     },
 }
