@@ -226,7 +226,7 @@ def _no_hog() -> Iterator[str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     hogs = ["idle", "spin"] if args.quick else ["idle", "spin", "engine"]
-    seconds = 1.0 if args.quick else 15.0
+    seconds = 1.0 if args.quick else 8.0
     work = args.out / "lookup-work"
     work.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
