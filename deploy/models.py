@@ -274,6 +274,33 @@ TINY_MODELS: dict[str, Callable[[], Any]] = {
     "deepseek-v3": _deepseek_v3,
 }
 
+
+def _llama_100m() -> Any:
+    from transformers import LlamaConfig
+
+    # Real-model proportions of KV bytes to compute, for the e2e benchmark: ~0.094 B
+    # parameters and 4 KiB of KV per token in fp32 (2 x 8 layers x 2 KV heads x 32 dims
+    # x 4 bytes), about Llama-3.2-1B's 32 KiB per token scaled to a tenth of its size.
+    # fp32: this machine's CPU has no AVX-512, where the CPU build's bf16 is slow. GQA:
+    # 32 query heads share 2 KV heads. The tiny ``llama`` (1 KiB per token for 1.6 M
+    # parameters) is ~100x more KV-heavy and overstates every copy.
+    return LlamaConfig(
+        vocab_size=_VOCAB,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+# Larger random models for benchmarks (not KV-cache families: tests do not run them).
+BENCH_MODELS: dict[str, Callable[[], Any]] = {"llama-0.1b": _llama_100m}
+_MODELS = TINY_MODELS | BENCH_MODELS
+
 # Engine settings a family needs on the CPU build, beyond the defaults.
 ENGINE_LIMITS: dict[str, dict[str, Any]] = {
     "nemotron-h": {"max_num_batched_tokens": 32},  # = block size: one block per prefill piece
@@ -281,9 +308,10 @@ ENGINE_LIMITS: dict[str, dict[str, Any]] = {
 
 
 def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0) -> Path:
-    """Write a tiny random model under ``root/name`` once; returns its directory."""
-    if name not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)}")
+    """Write a random model (tiny, or a benchmark's) under ``root/name`` once; returns its
+    directory."""
+    if name not in _MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(_MODELS)}")
     path = Path(root) / f"{name}-{dtype}"
     marker = path / "config.json"
     if marker.exists():
@@ -292,7 +320,7 @@ def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = TINY_MODELS[name]()
+    config = _MODELS[name]()
     config.dtype = dtype
     config.initializer_range = _INIT_RANGE
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
@@ -301,5 +329,5 @@ def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0
     # Written last: its presence means the model is complete.
     data = json.loads(marker.read_text())
     marker.write_text(json.dumps(data, indent=2))
-    logger.info("made tiny %s model at %s", name, path)
+    logger.info("made random %s model at %s", name, path)
     return path

@@ -21,6 +21,8 @@ from typing import Any, TextIO
 logger = logging.getLogger(__name__)
 
 TIERSTORE_SPEC = {"spec_name": "TierStoreSpec", "spec_module_path": "tierstore.spec"}
+# The in-process reference restore (tests and benchmarks compare tierstore against it).
+REFERENCE_SPEC = {"spec_name": "ReferenceSpec", "spec_module_path": "tierstore.vllm.reference_spec"}
 
 
 def kv_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:

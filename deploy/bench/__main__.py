@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "evictor": "tierstore.deploy.bench.evictor",
     "crossnode": "tierstore.deploy.bench.crossnode",
     "soak": "tierstore.deploy.bench.soak",
+    "lookup": "tierstore.deploy.bench.lookup",
 }
 
 
@@ -51,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--disk-root", type=Path, default=None, help="where to write (disk)")
+    parser.add_argument(
+        "--model",
+        choices=["tiny", "0.1b"],
+        default="tiny",
+        help="e2e: the tiny 2-layer Llama or the 0.1 B one (real-model KV proportions)",
+    )
     add_log_arguments(parser)  # default log file: OUT/NAME.log
 
 
@@ -59,14 +66,15 @@ def run_benchmark(args: argparse.Namespace) -> int:
     the results and the files written go to the terminal."""
     private_clusters_on_loopback()
     args.out.mkdir(parents=True, exist_ok=True)
-    log_path = None if args.verbose else args.log_file or args.out / f"{args.name}.log"
+    stem = f"{args.name}-{args.model}" if args.name == "e2e" else args.name
+    log_path = None if args.verbose else args.log_file or args.out / f"{stem}.log"
     if log_path is not None:
         print(f"logs: {log_path.resolve()}", file=sys.stderr)
     with logs_to_file(log_path):
         before = machine_info()
         results = _run(args.name, args)
         results["machine"] = before | {"load_avg_1m_after": machine_info()["load_avg_1m"]}
-        path = args.out / f"{args.name}.json"
+        path = args.out / f"{stem}.json"
         path.write_text(json.dumps(results, indent=2))
         written = [path]
         plot = getattr(importlib.import_module(BENCHMARKS[args.name]), "plot", None)

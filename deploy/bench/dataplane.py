@@ -3,7 +3,8 @@
 All in one run on the same Ray cluster: a job of ``size`` bytes of KV pages is stored
 (gather, checksum, put, NodeStore admits and copies it) and loaded back (NodeStore
 gathers and puts, worker gets, verifies and scatters). The baselines move the same bytes
-with ``numpy.copyto`` and with ``ray.put`` + ``ray.get`` of a numpy array.
+with ``numpy.copyto`` and with ``ray.put`` + ``ray.get`` of a numpy array. The
+"host_copy" section times the host copy executors alone (``hostcopy``), no Ray.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ray
 import torch
 from tierstore.actors.bootstrap import get_or_create_evictor
 from tierstore.actors.clients import EvictorClient
-from tierstore.deploy.bench import plots
+from tierstore.deploy.bench import hostcopy, plots
 from tierstore.deploy.bench.common import ray_session
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
@@ -140,7 +141,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     cfg = TierStoreConfig(cpu_bytes_per_node=2 * (64 << 20) * _REPEATS, namespace="tierstore-bench")
     with ray_session(cfg.namespace) as address:
         counter = [0]
-        return {"ray_cluster": address, "sizes": [bench_size(cfg, size, counter) for size in sizes]}
+        rows = [bench_size(cfg, size, counter) for size in sizes]
+    host_copy = hostcopy.run(repeat=5 if quick else 30, quick=quick)
+    return {"ray_cluster": address, "sizes": rows, "host_copy": host_copy}
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:

@@ -1,19 +1,26 @@
-"""End to end: a tiny Llama on the CPU build of vLLM, with tierstore and without.
+"""End to end: a random Llama on the CPU build of vLLM, three engines in one run.
 
-Two engines with the same settings run the same workloads (``workloads.py``: prefix
-repetition, multi-turn chat, unique prompts), one request at a time:
+Three engines with the same settings run the same workloads (``workloads.py``: unique
+prompts, prefix hits, prefix repetition, multi-turn chat), one request at a time:
 
-- ``tierstore``: the device prefix cache plus tierstore, with a CPU tier smaller than
-  the workloads' prefixes and a disk tier behind it, so hits come from both tiers;
-- ``baseline``: the device prefix cache only.
+- ``no_connector``: the device prefix cache only;
+- ``reference``: the in-process reference restore (``tierstore.vllm.reference_spec``),
+  the cheapest correct offload, through the same connector;
+- ``tierstore``: a CPU tier smaller than the workloads' prefixes and a disk tier behind
+  it, so hits come from both tiers.
 
-The device KV cache is made small (``num_gpu_blocks_override``: about two prompts), so
-the device prefix cache forgets as a busy server's does, and what it forgets tierstore
-can give back. Reported per workload: TTFT p50/p90 (engine timestamps: queued to first
-token, lookups and loads included), throughput, and where each prompt token came from
-(device prefix cache, tierstore CPU tier, tierstore disk tier, or computed). The unique
-prompts have nothing to reuse: their tierstore-vs-baseline ratio is tierstore's 0 %-hit
-overhead (lookups that miss, and the stores).
+Every engine's OpenMP threads are pinned alike (``VLLM_CPU_OMP_THREADS_BIND``; by default
+every allowed core but the first, which is left to the engine's front end and tierstore's
+actors), and the binding is recorded. The device KV cache is made small
+(``num_gpu_blocks_override``: about two prompts), so the device prefix cache forgets as
+a busy server's does. Reported per workload: TTFT p50/p90 (engine timestamps: queued to
+first token, lookups and loads included), throughput, and where each prompt token came
+from. The headline ratios (``targets``): throughput and time at 0 % hits (the unique
+prompts) against no connector, and the prefix-hit TTFT against the reference's and
+against recompute (the no-connector engine's same request).
+
+``--model``: ``tiny`` (2 layers, 1 KiB of KV per token: copies weigh most) or ``0.1b``
+(real-model proportions of KV bytes to compute, 4 KiB per token); see ``e2e_setups``.
 """
 
 from __future__ import annotations
@@ -30,57 +37,30 @@ from typing import Any
 
 from tierstore.deploy.bench import plots
 from tierstore.deploy.bench.common import percentile, ray_session
+from tierstore.deploy.bench.e2e_setups import MODELS, setup_for
 from tierstore.deploy.models import make_tiny_model
-from tierstore.deploy.passes import TIERSTORE_SPEC
+from tierstore.deploy.passes import REFERENCE_SPEC, TIERSTORE_SPEC
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "tierstore-bench-e2e"
-MODEL = "llama"
 BLOCK_SIZE = 32  # tokens per block; one chunk = one block of the model's one KV group
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 _ENGINE_TIMEOUT_S = 1800
 _REPO = Path(__file__).resolve().parents[2]
+MODES = ("no_connector", "reference", "tierstore")
 
-# The tiny Llama's KV cache is 1 KiB per token (2 layers x 2 KV heads x 32 dims x K,V x
-# fp32): a 32-token chunk is 32 KiB. The CPU tier (4 MiB = 128 chunks) holds half of the
-# full run's shared prefixes; the rest are served from disk.
-FULL: dict[str, Any] = {
-    "device_blocks": 72,  # 2304 tokens (vLLM keeps one block back): about two prompts
-    "max_model_len": 2048,
-    "cpu_bytes": 4 << 20,
-    "disk_bytes": 256 << 20,
-    "max_tokens": 16,
-    "workloads": {
-        "unique": {"kind": "unique", "params": {"count": 24, "length": 1088}},
-        "prefix_repetition": {
-            "kind": "prefix_repetition",
-            "params": {"num_prefixes": 8, "prefix_len": 1024, "suffix_len": 64, "repeats": 5},
-        },
-        "multi_turn": {
-            "kind": "multi_turn",
-            "params": {"conversations": 8, "turns": 4, "system_len": 384, "user_len": 96},
-        },
-    },
-}
-QUICK: dict[str, Any] = {
-    **FULL,
-    "device_blocks": 25,  # 800 tokens (vLLM keeps one block back): one or two prompts
-    "max_model_len": 768,
-    "cpu_bytes": 1 << 20,  # 32 chunks: more than one request stores, less than all
-    "max_tokens": 4,
-    "workloads": {
-        "unique": {"kind": "unique", "params": {"count": 2, "length": 256}},
-        "prefix_repetition": {
-            "kind": "prefix_repetition",
-            "params": {"num_prefixes": 2, "prefix_len": 512, "suffix_len": 32, "repeats": 2},
-        },
-        "multi_turn": {
-            "kind": "multi_turn",
-            "params": {"conversations": 2, "turns": 2, "system_len": 256, "user_len": 64},
-        },
-    },
-}
-MODES = ("tierstore", "baseline")
+
+def omp_binding() -> str:
+    """The OpenMP binding every engine gets: ``VLLM_CPU_OMP_THREADS_BIND`` if set, else
+    every core this process may use but the first (vLLM's list syntax, e.g. ``1`` or
+    ``1-7``); ``nobind`` on a single core."""
+    if os.environ.get(BIND_ENV):
+        return os.environ[BIND_ENV]
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return "nobind"
+    return ",".join(str(c) for c in cores[1:])
 
 
 def _plan(setup: dict[str, Any], model: Path, mode: str, disk_path: Path) -> dict[str, Any]:
@@ -91,6 +71,8 @@ def _plan(setup: dict[str, Any], model: Path, mode: str, disk_path: Path) -> dic
         "max_model_len": setup["max_model_len"],
         "num_gpu_blocks_override": setup["device_blocks"],
     }
+    if mode == "reference":
+        engine["kv_extra_config"] = dict(REFERENCE_SPEC)
     if mode == "tierstore":
         engine["kv_extra_config"] = {
             **TIERSTORE_SPEC,
@@ -107,7 +89,9 @@ def _plan(setup: dict[str, Any], model: Path, mode: str, disk_path: Path) -> dic
     }
 
 
-def _run_engine(plan: dict[str, Any], ray_address: str, work: Path, mode: str) -> dict[str, Any]:
+def _run_engine(
+    plan: dict[str, Any], ray_address: str, work: Path, mode: str, binding: str
+) -> dict[str, Any]:
     """Runs ``tierstore.deploy.bench.e2e_engine`` in a fresh process; its log goes to ``work``."""
     plan_path, out_path, log_path = (work / f"{mode}{s}" for s in (".plan.json", ".json", ".log"))
     plan_path.write_text(json.dumps(plan))
@@ -117,6 +101,7 @@ def _run_engine(plan: dict[str, Any], ray_address: str, work: Path, mode: str) -
         PYTHONPATH=f"{_REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
     )
+    env[BIND_ENV] = binding
     logger.info("e2e: running the %s engine (log: %s)", mode, log_path)
     with open(log_path, "w") as log:
         proc = subprocess.run(
@@ -139,10 +124,18 @@ def _run_engine(plan: dict[str, Any], ray_address: str, work: Path, mode: str) -
     return json.loads(out_path.read_text())
 
 
+def _ttft_ms(requests: list[dict[str, Any]]) -> dict[str, float]:
+    ttfts = [r["ttft_s"] for r in requests]
+    return {
+        "p50": 1e3 * percentile(ttfts, 50),
+        "p90": 1e3 * percentile(ttfts, 90),
+        "mean": 1e3 * sum(ttfts) / len(ttfts),
+    }
+
+
 def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[str, Any]:
     """One workload of one engine: latency, throughput, and where prompt tokens came from."""
     requests = raw["requests"]
-    ttfts = [r["ttft_s"] for r in requests]
     latencies = [r.get("latency_s", 0.0) for r in requests]
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
@@ -159,14 +152,10 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
         "tierstore_disk": from_disk,
         "computed": prompt - cached,
     }
-    return {
+    summary = {
         "requests": len(requests),
         "prompt_tokens": prompt,
-        "ttft_ms": {
-            "p50": 1e3 * percentile(ttfts, 50),
-            "p90": 1e3 * percentile(ttfts, 90),
-            "mean": 1e3 * sum(ttfts) / len(ttfts),
-        },
+        "ttft_ms": _ttft_ms(requests),
         "latency_ms": {
             "p50": 1e3 * percentile(latencies, 50),
             "p90": 1e3 * percentile(latencies, 90),
@@ -179,74 +168,114 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
         "hit_rate": {k: v / prompt for k, v in tokens.items() if k != "computed"},
         "tierstore_counters": ts,
     }
+    if raw.get("kind") == "prefix_hit":  # misses at even positions, their hits at odd
+        hits = requests[1::2]
+        summary["miss_ttft_ms"] = _ttft_ms(requests[0::2])
+        summary["hit_ttft_ms"] = _ttft_ms(hits)
+        summary["hit_cached_fraction"] = sum(r["cached_tokens"] for r in hits) / sum(
+            r["prompt_tokens"] for r in hits
+        )
+    return summary
 
 
-def compare(summary: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per workload: tierstore over baseline (TTFT < 1 and throughput > 1 are wins)."""
-    on, off = summary["tierstore"], summary["baseline"]
+def compare(summary: dict[str, dict[str, Any]], mode: str) -> dict[str, dict[str, float]]:
+    """Per workload: ``mode`` over no connector (TTFT < 1 and throughput > 1 are wins)."""
+    on, off = summary[mode], summary["no_connector"]
     return {
         name: {
             "ttft_p50_ratio": on[name]["ttft_ms"]["p50"] / off[name]["ttft_ms"]["p50"],
             "ttft_p90_ratio": on[name]["ttft_ms"]["p90"] / off[name]["ttft_ms"]["p90"],
             "throughput_ratio": on[name]["prompt_tokens_per_s"] / off[name]["prompt_tokens_per_s"],
+            "time_ratio": on[name]["wall_s"] / off[name]["wall_s"],
         }
         for name in on
     }
 
 
+def targets(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The issue's headline ratios: 0 % hits against no connector, and the prefix hit's
+    TTFT (p50 over the pairs) against the reference's and against recompute."""
+    ts, ref, off = (summary[m] for m in ("tierstore", "reference", "no_connector"))
+    out = {
+        "zero_hit_throughput_vs_no_connector": ts["unique"]["prompt_tokens_per_s"]
+        / off["unique"]["prompt_tokens_per_s"],
+        "zero_hit_time_vs_no_connector": ts["unique"]["wall_s"] / off["unique"]["wall_s"],
+        "reference_zero_hit_time_vs_no_connector": ref["unique"]["wall_s"]
+        / off["unique"]["wall_s"],
+    }
+    if "prefix_hit" in ts:
+        hit = {m: summary[m]["prefix_hit"]["hit_ttft_ms"] for m in MODES}
+        for q in ("p50", "mean"):
+            out[f"hit_ttft_{q}_vs_reference"] = hit["tierstore"][q] / hit["reference"][q]
+            out[f"hit_ttft_{q}_vs_recompute"] = hit["tierstore"][q] / hit["no_connector"][q]
+            out[f"reference_hit_ttft_{q}_vs_recompute"] = (
+                hit["reference"][q] / hit["no_connector"][q]
+            )
+        out["hit_pass_time_vs_reference"] = ts["prefix_hit"]["wall_s"] / ref["prefix_hit"]["wall_s"]
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    setup = QUICK if args.quick else FULL
+    choice = getattr(args, "model", None) or "tiny"
+    setup = setup_for(choice, args.quick)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = make_tiny_model(MODEL, Path(tempfile.gettempdir()) / "tierstore-models")
-    work = args.out / "e2e-work"
+    model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
+    binding = omp_binding()
+    work = args.out / f"e2e-{choice}-work"
     work.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="tierstore-bench-disk-", dir=args.disk_root) as disk,
         ray_session(NAMESPACE) as address,
     ):
         raw = {
-            mode: _run_engine(_plan(setup, model, mode, Path(disk)), address, work, mode)
+            mode: _run_engine(_plan(setup, model, mode, Path(disk)), address, work, mode, binding)
             for mode in MODES
         }
     summary = {mode: {name: summarize(w) for name, w in raw[mode].items()} for mode in MODES}
     return {
         "ray_cluster": address,
-        "setup": {k: v for k, v in setup.items()} | {"model": MODEL, "block_size": BLOCK_SIZE},
+        "model": choice,
+        "omp_threads_bind": binding,
+        "setup": dict(setup) | {"model": MODELS[choice], "block_size": BLOCK_SIZE},
         "summary": summary,
-        "tierstore_vs_baseline": compare(summary),
-        "zero_hit_overhead": compare(summary)["unique"],
+        "targets": targets(summary),
+        "tierstore_vs_no_connector": compare(summary, "tierstore"),
+        "reference_vs_no_connector": compare(summary, "reference"),
         "raw": raw,
     }
+
+
+_LABEL = {"no_connector": "no connector", "reference": "reference", "tierstore": "tierstore"}
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
     summary = results["summary"]
     names = list(summary["tierstore"])
-    label = {"tierstore": "tierstore", "baseline": "no tierstore"}
+    tag = f"e2e_{results.get('model', 'tiny')}"
     ttft = plots.bars(
-        out / "e2e_ttft.png",
-        "Time to first token (tiny Llama, CPU)",
+        out / f"{tag}_ttft.png",
+        f"Time to first token ({results['setup']['model']}, CPU)",
         "ms",
         names,
         {
-            f"{label[m]} {q}": [summary[m][n]["ttft_ms"][q] for n in names]
+            f"{_LABEL[m]} {q}": [summary[m][n]["ttft_ms"][q] for n in names]
             for q in ("p50", "p90")
             for m in MODES
         },
     )
     throughput = plots.bars(
-        out / "e2e_throughput.png",
+        out / f"{tag}_throughput.png",
         "Prompt tokens per second (one request at a time)",
         "tokens / s",
         names,
-        {label[m]: [summary[m][n]["prompt_tokens_per_s"] for n in names] for m in MODES},
+        {_LABEL[m]: [summary[m][n]["prompt_tokens_per_s"] for n in names] for m in MODES},
     )
     sources = ["device", "tierstore_cpu", "tierstore_disk", "computed"]
     hits = plots.stacked(
-        out / "e2e_sources.png",
+        out / f"{tag}_sources.png",
         "Where prompt tokens came from",
         "share of prompt tokens",
-        ["\n".join([*n.split("_"), label[m]]) for n in names for m in MODES],
+        ["\n".join([*n.split("_"), _LABEL[m]]) for n in names for m in MODES],
         {
             s: [
                 summary[m][n]["tokens"][s] / summary[m][n]["prompt_tokens"]

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierstore.deploy.bench.workloads import build
+from tierstore.deploy.bench.workloads import PrefixHit, build
 from tierstore.deploy.passes import (
     EngineSpec,
     build_llm,
@@ -59,8 +59,16 @@ def run_workload(
         )
         return result.tokens
 
+    def forget() -> None:  # stores done, then the device prefix cache emptied
+        drain(llm)
+        llm.reset_prefix_cache()
+
+    workload = build(kind, params)
     started = time.perf_counter()
-    build(kind, params).run(generate)
+    if isinstance(workload, PrefixHit):
+        workload.run(generate, forget)
+    else:
+        workload.run(generate)
     wall_s = time.perf_counter() - started
     drain(llm)
     after = _tierstore_totals(namespace)

@@ -5,6 +5,9 @@
 - multi-turn chat: each turn's prompt is the previous turn's prompt, the model's answer
   and a new user message; conversations take turns (round robin), as concurrent users do.
 - unique prompts: nothing to reuse (the 0 %-hit overhead).
+- prefix hit: pairs of prompts sharing a prefix, the device prefix cache emptied between
+  the two (``forget``), so the second one's prefix comes from the offloading connector,
+  or is recomputed without one: the hit TTFT against the reference and against recompute.
 
 Each workload's ``run(generate)`` sends its prompts, one at a time, through
 ``generate`` (prompt -> answer tokens) and returns them. Prompts are random token ids
@@ -83,17 +86,40 @@ class Unique:
         return _send(self.prompts(), generate)
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    pairs: int
+    prefix_len: int
+    suffix_len: int
+    seed: int = 4
+
+    def run(self, generate: Generate, forget: Callable[[], None] = lambda: None) -> list[list[int]]:
+        """Per pair: the miss (stores the prefix), ``forget`` (empties the device prefix
+        cache once the stores are done), then the hit. Even prompts are misses, odd hits."""
+        sent = []
+        for p in range(self.pairs):
+            prefix = random_prompt(self.prefix_len, seed=self.seed * 100_003 + p)
+            for r in range(2):
+                if r == 1:
+                    forget()
+                suffix = random_prompt(self.suffix_len, seed=self.seed * 7_919 + 1000 * p + r)
+                sent.append(prefix + suffix)
+                generate(sent[-1])
+        return sent
+
+
 def _send(prompts: list[list[int]], generate: Generate) -> list[list[int]]:
     for prompt in prompts:
         generate(prompt)
     return prompts
 
 
-Workload = PrefixRepetition | MultiTurn | Unique
+Workload = PrefixRepetition | MultiTurn | Unique | PrefixHit
 WORKLOADS: dict[str, type[Workload]] = {
     "prefix_repetition": PrefixRepetition,
     "multi_turn": MultiTurn,
     "unique": Unique,
+    "prefix_hit": PrefixHit,
 }
 
 

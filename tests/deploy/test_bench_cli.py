@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tierstore.deploy.bench import hostcopy, lookup
 from tierstore.deploy.cli import main
 
 
@@ -33,3 +34,21 @@ def test_tierstore_bench_crossnode_quick_loads_across_nodes_then_from_the_local_
         assert all(gbps > 0 for gbps in size["GBps"].values())
         assert size["copy_ready_s"] > 0
     assert (out / "crossnode.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_host_copy_section_times_every_candidate_against_memcpy() -> None:
+    results = hostcopy.run(repeat=1, quick=True)
+    for case in results["cases"]:
+        for ratios in (case["gather_vs_memcpy_time"], case["scatter_vs_memcpy_time"]):
+            assert set(ratios) == {"executor", "memmove", "np-slice", "torch"}
+            assert all(r > 0 for r in ratios.values())
+
+
+def test_lookup_benchmark_clusters_run_the_evictor_at_the_niceness_they_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for setting, niceness in ((None, 15), ("0", 0)):  # Ray's default, then tierstore's
+        case = lookup.measure_case(setting, seconds=0.2)
+        assert case["evictor_niceness"] == niceness
+        assert case["direct"]["n"] >= 3 and case["manager"]["keys"] >= 3 * lookup.KEYS

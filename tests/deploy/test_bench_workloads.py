@@ -1,9 +1,14 @@
-"""The end-to-end benchmark's workloads have the shapes they claim, and its accounting adds up."""
+"""The end-to-end benchmark's workloads have the shapes they claim, its accounting adds up,
+and its headline ratios compare the engines they name."""
 
 from __future__ import annotations
 
-from tierstore.deploy.bench.e2e import summarize
-from tierstore.deploy.bench.workloads import MultiTurn, PrefixRepetition, Unique
+import os
+from typing import Any
+
+import pytest
+from tierstore.deploy.bench.e2e import BIND_ENV, omp_binding, summarize, targets
+from tierstore.deploy.bench.workloads import MultiTurn, PrefixHit, PrefixRepetition, Unique
 
 
 def test_prefix_repetition_sends_each_prefix_repeats_times_with_fresh_suffixes() -> None:
@@ -59,3 +64,47 @@ def test_summary_splits_prompt_tokens_by_where_they_came_from() -> None:
     }
     assert summary["hit_rate"]["tierstore_disk"] == 64 / 640
     assert summary["prompt_tokens_per_s"] == 320.0
+
+
+def test_prefix_hit_sends_pairs_sharing_a_prefix_and_forgets_between_the_two() -> None:
+    events: list[str | list[int]] = []
+    PrefixHit(pairs=2, prefix_len=64, suffix_len=8).run(
+        lambda p: events.append(p) or [], lambda: events.append("forget")
+    )
+    assert [e if e == "forget" else len(e) for e in events] == [72, "forget", 72, 72, "forget", 72]
+    miss, hit = events[0], events[2]
+    assert miss[:64] == hit[:64] and miss[64:] != hit[64:]
+    assert events[3][:64] != miss[:64]  # each pair its own prefix
+
+
+def _engine(wall_s: float, hit_ttft_s: float) -> dict[str, Any]:
+    request = {"prompt_tokens": 64, "cached_tokens": 0, "output_tokens": 1, "ttft_s": 0.1}
+    unique = {"kind": "unique", "wall_s": wall_s, "requests": [request], "tierstore": {}}
+    pairs = [request, dict(request, ttft_s=hit_ttft_s, cached_tokens=32)]
+    prefix = {"kind": "prefix_hit", "wall_s": 1.0, "requests": pairs, "tierstore": {}}
+    return {"unique": summarize(unique), "prefix_hit": summarize(prefix)}
+
+
+def test_targets_compare_zero_hits_to_no_connector_and_hits_to_the_reference() -> None:
+    summary = {
+        "no_connector": _engine(wall_s=1.0, hit_ttft_s=0.4),
+        "reference": _engine(wall_s=1.0, hit_ttft_s=0.1),
+        "tierstore": _engine(wall_s=1.25, hit_ttft_s=0.2),
+    }
+    assert summary["tierstore"]["prefix_hit"]["hit_cached_fraction"] == 0.5
+    got = targets(summary)
+    assert got["zero_hit_time_vs_no_connector"] == 1.25
+    assert got["zero_hit_throughput_vs_no_connector"] == 0.8
+    assert got["hit_ttft_p50_vs_reference"] == 2.0
+    assert got["hit_ttft_p50_vs_recompute"] == 0.5
+
+
+def test_every_engine_is_pinned_alike_leaving_the_first_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    cores = sorted(os.sched_getaffinity(0))
+    expected = ",".join(map(str, cores[1:])) if len(cores) > 1 else "nobind"
+    assert omp_binding() == expected
+    monkeypatch.setenv(BIND_ENV, "0-1")
+    assert omp_binding() == "0-1"

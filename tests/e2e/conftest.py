@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from tierstore.deploy.models import ENGINE_LIMITS, make_tiny_model
-from tierstore.deploy.passes import TIERSTORE_SPEC, random_prompt
+from tierstore.deploy.passes import REFERENCE_SPEC, TIERSTORE_SPEC, random_prompt
 
 from tests.support import E2E_LOOKUP_TIMEOUT_MS, init_local_ray
 
@@ -24,7 +24,6 @@ RAY_NAMESPACE = "tierstore-e2e"
 CPU_BYTES = 1 << 30
 _ENGINE_TIMEOUT_S = 900
 
-REFERENCE_SPEC = {"spec_name": "ReferenceSpec", "spec_module_path": "tests.e2e.reference_spec"}
 
 # A torchvision stand-in for the engine processes (see tests/e2e/stubs/torchvision), used
 # only where no torchvision is installed: deploy/setup.sh removes PyPI's, which cannot

@@ -6,12 +6,12 @@ thousands of small pages cost no Python each. A gather numpy cannot do in one co
 (padded pages, several layers per slot) uses fancy indexing plus a copy, or, for pages
 of 16 KiB and more, one ``memmove`` per page.
 
-Chosen by ``tests/data/copy_bench.py`` on this project's busy 2-core machine (best of
-30 interleaved rounds, ratio to ``numpy.copyto`` of the same bytes): this executor ran
-1.0-1.2x for consecutive blocks, 1.6-3x for scattered 4-32 KiB pages and 2.6-4.8x for
-1 KiB pages; a ``ctypes.memmove`` or numpy slice per run 1.6-2.2x at 32 KiB but
-4-22x on small pages (~1-2 us of Python per run), torch index ops (the former path)
-2.3-6.9x.
+Chosen by ``deploy/bench/hostcopy.py`` (``tierstore bench dataplane``, "host_copy") on
+this project's busy 2-core machine (best of 30 interleaved rounds, ratio to
+``numpy.copyto`` of the same bytes): this executor ran 1.0-1.2x for consecutive blocks,
+1.6-3x for scattered 4-32 KiB pages and 2.6-4.8x for 1 KiB pages; a ``ctypes.memmove``
+or numpy slice per run 1.6-2.2x at 32 KiB but 4-22x on small pages (~1-2 us of Python
+per run), torch index ops (the former path) 2.3-6.9x.
 
 Thread: any. No per-job allocation but numpy's temporary in the two-copy gather.
 """

@@ -1,10 +1,12 @@
-"""The simplest correct restore, for differential tests: an in-process byte copy.
+"""The simplest correct restore: an in-process byte copy, for the differential tests
+(``tests/e2e``) and as the e2e benchmark's cheapest-correct-offload engine.
 
 Its manager answers lookups at once from the keys whose stores completed; its worker
 keeps a clone of every page it stored, block by block, in the worker process, and copies
 them back on load. It shares no code with tierstore's layout, so the two agreeing to the
 bit is evidence, not tautology. Same connector path, same hit boundaries: tierstore's
-output must equal this one's exactly.
+output must equal this one's exactly. Not for serving: it keeps every page forever.
+Load it with ``REFERENCE_SPEC`` (``tierstore.deploy.passes``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Micro-benchmark of host copy executors (not a test: run it by hand).
-
-    .venv/bin/python tests/data/copy_bench.py [--repeat 30]
+"""Host copy executors: gather and scatter of one job against memcpy (``dataplane``'s
+"host_copy" section; it chose ``tierstore.data.host_copy``'s executor).
 
 Each candidate gathers (KV pages -> job buffer) and scatters (back) the same job; the
 time is the best of ``--repeat`` interleaved rounds, as a ratio to ``numpy.copyto`` of
@@ -15,10 +14,10 @@ the job's bytes measured in the same rounds (lower is better, 1.0 = memcpy). Can
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,7 +73,7 @@ def _slices(runs: DmaRuns, layout: ChunkLayout, buffer: np.ndarray, to_buffer: b
             flats[t][r : r + n] = buffer[o : o + n]
 
 
-def run_case(case: tuple, repeat: int) -> None:
+def run_case(case: tuple, repeat: int) -> dict[str, Any]:
     name, layers, page, row, n_blocks, bpc, consecutive = case
     rows = 4096
     g = torch.Generator().manual_seed(0)
@@ -106,23 +105,25 @@ def run_case(case: tuple, repeat: int) -> None:
     copy = {"memcpy": lambda: np.copyto(out, data)}
     gather = _best(copy | gathers, repeat)
     scatter = _best(copy | scatters, repeat)
-    print(
-        f"{name}: {plan.nbytes >> 20} MiB, {len(runs)} runs, "
-        f"memcpy {plan.nbytes / gather['memcpy'] / 1e9:.1f} GB/s (best of {repeat})"
-    )
-    for label, times in (("gather", gather), ("scatter", scatter)):
+    result: dict[str, Any] = {
+        "case": name,
+        "bytes": plan.nbytes,
+        "dma_runs": len(runs),
+        "memcpy_GBps": plan.nbytes / gather["memcpy"] / 1e9,
+    }
+    for label, times in (("gather_vs_memcpy_time", gather), ("scatter_vs_memcpy_time", scatter)):
         memcpy = times.pop("memcpy")
-        print(f"  {label:8s}" + "  ".join(f"{k} {v / memcpy:5.2f}x" for k, v in times.items()))
+        result[label] = {k: v / memcpy for k, v in times.items()}
+    return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=30)
-    args = parser.parse_args()
+def run(repeat: int = 30, quick: bool = False) -> dict[str, Any]:
+    """Every case (the first two with ``quick``), best of ``repeat`` rounds, one torch
+    thread (as the worker's copies run)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    for case in CASES:
-        run_case(case, args.repeat)
-
-
-if __name__ == "__main__":
-    main()
+    try:
+        cases = CASES[:2] if quick else CASES
+        return {"repeat": repeat, "cases": [run_case(case, repeat) for case in cases]}
+    finally:
+        torch.set_num_threads(threads)
