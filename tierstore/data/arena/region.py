@@ -19,10 +19,12 @@ empty arena, so what it held are misses, never stale bytes. Each creation has a 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ SHM_DIR = Path("/dev/shm")
 PAGE = mmap.PAGESIZE
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _FILE_MODE = 0o600
+_ORPHAN_AGE_S = 60.0
 
 
 class ArenaError(TierStoreError):
@@ -102,6 +105,8 @@ class ArenaRegion(_Mapping):
             path.unlink()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, _FILE_MODE)
         try:
+            # Held while this NodeStore lives: a file nobody holds it on is an orphan.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, _FILE_MODE)  # whatever the umask
             try:
                 os.posix_fallocate(fd, 0, nbytes)  # reserve every page now
@@ -111,9 +116,9 @@ class ArenaRegion(_Mapping):
             self._inode = os.fstat(fd).st_ino
         except BaseException:
             path.unlink(missing_ok=True)
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._fd: int | None = fd
         self.info = RegionInfo(str(path), nbytes, uuid.uuid4().hex)
 
     @classmethod
@@ -133,6 +138,9 @@ class ArenaRegion(_Mapping):
         """
         nbytes = max(PAGE, -(-nbytes // PAGE) * PAGE)
         name = arena_file_name(namespace, node_id)
+        for directory in (shm_dir, fallback_dir):
+            if directory is not None and directory.is_dir():
+                remove_orphans(directory, namespace)
         stale = shm_dir / name
         # A stale file of our own name does not count against the room: it is replaced.
         reclaimable = stale.stat().st_size if stale.is_file() else 0
@@ -167,11 +175,49 @@ class ArenaRegion(_Mapping):
         """Unmap and unlink (NodeStore stop). Idempotent; a successor's file under the
         same name is left alone."""
         super().close()
+        if self._fd is None:
+            return
         try:
             if self.path.stat().st_ino == self._inode:
                 self.path.unlink()
         except FileNotFoundError:
             pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _orphaned(path: Path) -> bool:
+    """Nobody holds the file's lock (its NodeStore or worker died)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # releases the lock if taken
+    return True
+
+
+def remove_orphans(directory: Path, namespace: str) -> int:
+    """Remove arenas (and holder lock files) of ``namespace`` whose process died without
+    closing them: a NodeStore killed on a node whose id never comes back would
+    otherwise leave its arena in /dev/shm until reboot. Returns files removed."""
+    removed = 0
+    settled = time.time() - _ORPHAN_AGE_S  # a file being created is not locked yet
+    for path in directory.glob(f"{arena_file_name(namespace, '')}*"):
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_mtime > settled:
+                continue
+        except OSError:
+            continue
+        if _orphaned(path):
+            logger.info("removing orphaned arena file %s", path)
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 class ArenaMapping(_Mapping):

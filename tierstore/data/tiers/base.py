@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,6 +59,15 @@ class Tier(ABC):
     @abstractmethod
     def put(self, shard_id: ShardId, shard: StoredShard) -> None:
         """Hold a shard. Raises TierFullError if it does not fit; replaces nothing."""
+
+    def fill(self, shard_id: ShardId, meta: ShardMeta, write: Callable[[np.ndarray], None]) -> None:
+        """Hold a shard whose bytes ``write`` puts into the buffer it is given (a disk
+        promotion reads into it). This default writes a fresh array, then :meth:`put`;
+        the arena tier hands ``write`` the shard's own extent instead."""
+        self._check_room(meta.nbytes)
+        data = np.empty(meta.nbytes, dtype=np.uint8)
+        write(data)
+        self.put(shard_id, StoredShard(meta, data))
 
     @abstractmethod
     def get(self, shard_id: ShardId) -> StoredShard:
