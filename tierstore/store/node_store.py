@@ -22,7 +22,6 @@ from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
-from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.ports import EvictorPort, PeerPort
@@ -74,7 +73,7 @@ def _tier_status(tier: Tier | None) -> dict[str, int]:
 @dataclass
 class NodeStoreCore:
     node_id: NodeId
-    cpu: MemoryTier
+    cpu: Tier  # ArenaTier in the actor (shared memory); MemoryTier in Ray-free tests
     disk: DiskTier | None
     evictor: EvictorPort
     # Runs actions later (the actor queues them to itself, after the store is
@@ -125,40 +124,58 @@ class NodeStoreCore:
         offers = [
             ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
         ]
-        decision = self.evictor.admit(self.node_id, offers)
-        own = decision.actions.get(self.node_id, NodeActions())
-        # Room first; the write-through copies only once the shards are in memory.
-        persist = own.persist
-        self.apply(NodeActions(drop=own.drop, demote=own.demote, promote=own.promote))
+        accepted, persist = self.admit(offers)
         kept = 0
         lost: list[ShardId] = []
-        for entry, accepted in zip(entries, decision.accepted, strict=True):
-            if not accepted:
+        for entry, ok in zip(entries, accepted, strict=True):
+            if not ok:
                 self.stats.skipped_shards += 1
                 continue
             shard_id = ShardId(namespace, entry.key, rank)
-            data = np.array(buffer[entry.offset : entry.offset + entry.nbytes], copy=True)
-            if digest(data) != entry.digest:
-                self.stats.corrupt_on_store += 1
-                logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
-                lost.append(shard_id)
-                continue
-            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
-            try:
-                self.cpu.put(shard_id, StoredShard(meta, data))
-            except TierFullError:
-                logger.warning("CPU tier refused an admitted shard; skipping it", exc_info=True)
-                self.stats.skipped_shards += 1
+            if not self._keep(shard_id, entry, world_size, buffer):
                 lost.append(shard_id)
                 continue
             kept += 1
             self.stats.stored_shards += 1
             self.stats.stored_bytes += entry.nbytes
+        self.settle_store(lost, persist)
+        return kept
+
+    def admit(self, offers: list[ShardOffer]) -> tuple[list[bool], list[ShardId]]:
+        """The Evictor's admission of new shards; the room it makes is made now. Returns
+        which are accepted and the write-through to run once they are held."""
+        decision = self.evictor.admit(self.node_id, offers)
+        own = decision.actions.get(self.node_id, NodeActions())
+        self.apply(NodeActions(drop=own.drop, demote=own.demote, promote=own.promote))
+        return list(decision.accepted), list(own.persist)
+
+    def settle_store(self, lost: list[ShardId], persist: list[ShardId]) -> None:
+        """After a store: forget what was admitted but not kept; queue the write-through."""
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
         if persist:
+            assert self.defer is not None
             self.defer(NodeActions(persist=persist))
-        return kept
+
+    def _keep(
+        self, shard_id: ShardId, entry: ShardEntry, world_size: int, buffer: np.ndarray
+    ) -> bool:
+        """Verify one shard of a job buffer and hold it (one copy, into the CPU tier)."""
+        data = buffer[entry.offset : entry.offset + entry.nbytes]
+        if not self.cpu.copies_on_put:  # the tier would keep a view of the worker's buffer
+            data = np.array(data, copy=True)
+        if digest(data) != entry.digest:
+            self.stats.corrupt_on_store += 1
+            logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
+            return False
+        meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
+        try:
+            self.cpu.put(shard_id, StoredShard(meta, data))
+        except TierFullError:
+            logger.warning("CPU tier refused an admitted shard; skipping it", exc_info=True)
+            self.stats.skipped_shards += 1
+            return False
+        return True
 
     # ---- the Evictor's decisions ---------------------------------------------------------
     def apply(self, actions: NodeActions) -> None:
@@ -222,8 +239,10 @@ class NodeStoreCore:
         if self.disk is None or shard_id not in self.disk:
             return False
         try:
-            shard = self.disk.get(shard_id)  # verifies length and checksum
-            self.cpu.put(shard_id, shard)  # the disk copy stays: a later demotion is free
+            disk = self.disk
+            # Read straight into the CPU tier's extent, verified there; the disk copy
+            # stays, so a later demotion is free.
+            self.cpu.fill(shard_id, disk.meta(shard_id), lambda out: disk.read_into(shard_id, out))
         except ChunkCorruptError:
             logger.warning(
                 "corrupt chunk file for %s removed; it will be recomputed",
@@ -285,7 +304,9 @@ class NodeStoreCore:
         offset = 0
         for shard_id, meta in shards:
             shard_id = _shard_id(shard_id)
-            data = np.array(buffer[offset : offset + meta.nbytes], copy=True)
+            data = buffer[offset : offset + meta.nbytes]
+            if not self.cpu.copies_on_put:
+                data = np.array(data, copy=True)
             offset += meta.nbytes
             if data.nbytes != meta.nbytes or digest(data) != meta.digest:
                 self.stats.corrupt_on_store += 1

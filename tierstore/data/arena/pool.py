@@ -28,12 +28,20 @@ class ExtentPool:
         self._lock = threading.Lock()
         self.misses = 0  # takes the pool could not serve whole
 
+    def expect(self, sizes: Sequence[int]) -> None:
+        """Jobs like this one are coming: keep extents for two of them."""
+        with self._lock:
+            self._expect(Counter(sizes))
+
+    def _expect(self, need: Counter[int]) -> None:
+        for size, n in need.items():
+            self._target[size] = max(self._target[size], 2 * n)
+
     def take(self, sizes: Sequence[int]) -> list[int] | None:
         """One extent per size (in order), or None and nothing taken."""
         need = Counter(sizes)
         with self._lock:
-            for size, n in need.items():
-                self._target[size] = max(self._target[size], 2 * n)
+            self._expect(need)
             if any(len(self._free.get(size, ())) < n for size, n in need.items()):
                 self.misses += 1
                 return None

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 class ArenaTier(Tier):
     name = "CPU"
+    copies_on_put = True
 
     def __init__(
         self, region: ArenaRegion, capacity_bytes: int, align: int = DEFAULT_ALIGN

@@ -38,6 +38,8 @@ class Tier(ABC):
     """
 
     name: str = "tier"  # in error messages
+    # Whether put() copies the shard's bytes (else it keeps the array it is given).
+    copies_on_put: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:

@@ -61,6 +61,7 @@ class DiskTier(Tier):
     """Called from one thread (the NodeStore's); every read is checksum-verified."""
 
     name = "disk"
+    copies_on_put = True  # to a file
 
     def __init__(self, root: Path, capacity_bytes: int, fsync: bool = False) -> None:
         super().__init__(capacity_bytes)
