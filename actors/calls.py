@@ -124,8 +124,9 @@ def answers_of(values: Iterable[Any]) -> list[LookupAnswer]:
         LookupAnswer(
             LookupState(state),
             None if where is None else {int(r): NodeId(n) for r, n in where.items()},
+            None if tier is None else TierName(tier),
         )
-        for state, where in values
+        for state, where, tier in values
     ]
 
 

@@ -131,6 +131,9 @@ class EvictorClient:
     def fail_next_reconcile_for_test(self) -> Pending[None]:
         return self._call("fail_next_reconcile_for_test")
 
+    def stall_for_test(self, release_file: str, max_s: float) -> Pending[None]:
+        return self._call("stall_for_test", release_file, max_s)
+
 
 class NodeStoreClient:
     """One node's NodeStore actor (``tierstore.actors.node_store_actor.NodeStore``)."""

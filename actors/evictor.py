@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 
@@ -113,6 +114,13 @@ class Evictor:
     def fail_next_reconcile_for_test(self) -> None:
         """Make the next reconcile raise (tests prove the ticker outlives it)."""
         self._fail_next_reconcile = True
+
+    def stall_for_test(self, release_file: str, max_s: float) -> None:
+        """Block this actor's only thread until ``release_file`` exists (or ``max_s``
+        passed): tests prove a NodeStore serves loads while its store waits on ``admit``."""
+        deadline = time.monotonic() + max_s
+        while not os.path.exists(release_file) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def register_node(
         self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, store_id: str | None = None

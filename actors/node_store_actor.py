@@ -1,4 +1,18 @@
-"""The NodeStore actor: Ray around :class:`~tierstore.store.node_store.NodeStoreCore`."""
+"""The NodeStore actor: Ray around :class:`~tierstore.store.node_store.NodeStoreCore`.
+
+A threaded actor with concurrency groups (:data:`CONCURRENCY_GROUPS`), so a load never
+queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk work:
+
+- ``data`` (:data:`DATA_THREADS` threads): ``load`` and the arena's grants, pins and
+  unpins. Holds the core's lock only to look shards up and copy them out; never waits
+  on the Evictor or a peer.
+- ``control`` (one thread): ``store``, ``arena_commit``, ``apply``, ``accept_replicas``,
+  ``reregister``.
+  Waits on the Evictor (deadlines below) and writes to disk. One thread keeps the
+  Evictor's decisions applied in the order it made them, as before.
+- the default group (one thread): ``inventory``, ``status`` and the ``*_for_test``
+  methods: quick reads, answered even while a store waits on ``admit``.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +41,14 @@ from tierstore.store.arena_store import ArenaStore
 from tierstore.store.node_store import NodeStoreCore, ShardEntry
 
 logger = logging.getLogger(__name__)
+
+# Loads of one node's workers (a TP group loads every rank's shards at once) run side
+# by side; their copies and checksums release the GIL for large buffers. More threads
+# than this only add memory for buffers in flight on a node with few cores.
+DATA_THREADS = 4
+CONCURRENCY_GROUPS = {"data": DATA_THREADS, "control": 1}
+_DATA = ray.method(concurrency_group="data")
+_CONTROL = ray.method(concurrency_group="control")
 
 
 # Deadlines of the calls a NodeStore waits on. The Evictor answers in milliseconds; these
@@ -155,11 +177,13 @@ class NodeStore:
             self._node_id, self._cpu_bytes, self._disk_bytes, store_id=self._id
         ).result(_REGISTER_TIMEOUT_S)
 
+    @_CONTROL
     def reregister(self) -> int:
         """The Evictor restarted and lost its index: offer it everything held here again."""
         self._register()
         return self._core.register_inventory(after_evictor_restart=True)
 
+    @_CONTROL
     def store(
         self,
         namespace: Namespace,
@@ -181,6 +205,7 @@ class NodeStore:
             self.reregister()
             return self._core.store(namespace, rank, world_size, shards, buffer)
 
+    @_DATA
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> tuple[list[ray.ObjectRef], list[ShardMeta]]:
@@ -188,6 +213,7 @@ class NodeStore:
         # Returning the array would copy it per call; a ref in a list does not.
         return [ray.put(data)], metas
 
+    @_CONTROL
     def apply(self, actions: NodeActions) -> None:
         """The Evictor's decisions, and this actor's deferred work: both one-way, so no
         caller would see an error; it is logged and counted, and the next call runs."""
@@ -197,6 +223,7 @@ class NodeStore:
             self._apply_failures += 1
             logger.error("NodeStore %s: applying actions failed", self._node_id, exc_info=True)
 
+    @_CONTROL
     def accept_replicas(
         self, shards: list[tuple[ShardId, ShardMeta]], buffer_ref: list[ray.ObjectRef]
     ) -> None:
@@ -213,14 +240,17 @@ class NodeStore:
         self._core.accept_replicas(received, buffer)
 
     # ---- the arena: same-node workers write and read it in place ---------------------
+    @_DATA
     def arena_info(self) -> tuple[RegionInfo, int]:
         return self._arena.info()
 
+    @_DATA
     def arena_grant(
         self, holder: str, epoch: str, sizes: list[int]
     ) -> tuple[str, list[int | None]]:
         return self._arena.grant(holder, epoch, sizes)
 
+    @_CONTROL
     def arena_commit(
         self,
         holder: str,
@@ -237,14 +267,17 @@ class NodeStore:
             self.reregister()
             return self._arena.commit(holder, epoch, namespace, rank, world_size, shards)
 
+    @_DATA
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:
         self._arena.give_back(holder, epoch, offsets)
 
+    @_DATA
     def arena_pin(
         self, holder: str, epoch: str, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> list[tuple[int, ShardMeta]]:
         return self._arena.pin(holder, epoch, namespace, rank, keys)
 
+    @_DATA
     def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> None:
         self._arena.unpin(holder, epoch, offsets)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tierstore.actors.names import EVICTOR_NAME, node_store_name
-from tierstore.actors.node_store_actor import NodeStore
+from tierstore.actors.node_store_actor import CONCURRENCY_GROUPS, NodeStore
 
 from tierstore.config import TierStoreConfig
 
@@ -13,9 +13,10 @@ __all__ = ["EVICTOR_NAME", "alive_node_ids", "node_store_name", "place_node_stor
 
 
 def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandle:
-    """Start (or find) the NodeStore of ``node_id``; returns at once, never waits on it."""
+    """Start (or find) the NodeStore of ``node_id``; returns at once, never waits on it.
+    Its concurrency groups are given here: Ray takes them only in ``ray.remote``."""
     return (
-        ray.remote(NodeStore)
+        ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeStore)
         .options(
             name=node_store_name(node_id),
             namespace=cfg.namespace,

@@ -137,7 +137,7 @@ def _make_hot(cfg: TierStoreConfig, key: bytes, node_b: str) -> float:
     for _ in range(cfg.replicate_after_loads):
         evictor.release(NS, [chunk], "bench", 1, node_b).result()
     while True:
-        ((state, where),) = evictor.lookup(NS, [chunk], "bench", 1.0, node_b).result()
+        ((state, where, _),) = evictor.lookup(NS, [chunk], "bench", 1.0, node_b).result()
         if where == {0: node_b}:
             return time.perf_counter() - started
         if time.perf_counter() - started > 60:

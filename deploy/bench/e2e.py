@@ -148,9 +148,11 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
     cached = sum(r["cached_tokens"] for r in requests)
     ts = raw["tierstore"]
     from_tierstore = min(cached, ts.get("loaded_chunks", 0) * tokens_per_chunk)
-    # A chunk found only on disk is promoted to the CPU tier before its HIT: one shard per
-    # chunk here (one rank), so promotions count the chunks served from disk.
-    from_disk = min(from_tierstore, ts.get("promoted_shards", 0) * tokens_per_chunk)
+    # A chunk found only on disk is promoted to the CPU tier before its HIT, or read
+    # straight from disk when the CPU tier has no room for it: one shard per chunk here
+    # (one rank), so promotions plus disk HITs count the chunks served from disk.
+    disk_chunks = ts.get("promoted_shards", 0) + ts.get("disk_hits", 0)
+    from_disk = min(from_tierstore, disk_chunks * tokens_per_chunk)
     tokens = {
         "device": cached - from_tierstore,
         "tierstore_cpu": from_tierstore - from_disk,

@@ -159,9 +159,13 @@ def test_invariants_hold_for_any_operation_sequence(
             elif op == "lookup":
                 holder = f"h{a}"
                 keys = [key(b, g) for g in range(GROUPS)]
+                stored = {sid.key for n in NODES for sid, _ in index.shards_on(n)}
                 answers, actions = index.lookup(NS, keys, holder, evictor.now, 10.0)
                 evictor.deliver(actions)
                 for k, answer in zip(keys, answers, strict=True):
+                    # 5. A stored chunk is never a MISS: promoted (PENDING), or a HIT
+                    # from memory or, with no CPU room to promote it, from disk.
+                    assert (answer.state is LookupState.MISS) == (k not in stored), k.hex()
                     if answer.state is not LookupState.MISS:
                         leases[(holder, k)] = evictor.now + 10.0
             elif op == "release":
@@ -183,6 +187,8 @@ def test_invariants_hold_for_any_operation_sequence(
                     if answer.state is LookupState.HIT:  # the bytes are where it says
                         (node,) = set(answer.where.values())
                         assert evictor.cores[node].load(NS, 0, [k])[0].nbytes > 0
+                        if answer.tier is TierName.CPU:
+                            assert ShardId(NS, k, 0) in evictor.cores[node].cpu
                 index.release(NS, keys, "loader")
                 evictor.deliver(index.record_loads(NS, hits, NODES[a]))
             elif op == "lose":

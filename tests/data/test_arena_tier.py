@@ -177,3 +177,20 @@ def test_a_new_arena_after_a_restart_holds_nothing(tier: ArenaTier) -> None:
     finally:
         successor.close()
     assert not successor.region.path.exists()
+
+
+def test_an_extent_read_by_the_node_store_is_not_reused_until_the_read_ends(
+    tier: ArenaTier,
+) -> None:
+    """A load copies out of a shard on a data thread while the control thread drops it:
+    the extent stays until the copy is done, so the copy never sees another shard."""
+    data = _bytes(40 * KiB, 7)
+    tier.put(_id(0), StoredShard(_meta(data), data))
+    with tier.reading():
+        shard = tier.find(_id(0))
+        assert shard is not None
+        tier.delete(_id(0))
+        with pytest.raises(TierFullError, match="no free extent"):
+            tier.put(_id(1), StoredShard(_meta(data), data))
+        assert shard.data.tobytes() == data.tobytes()
+    tier.put(_id(1), StoredShard(_meta(data), data))

@@ -29,6 +29,8 @@ pytestmark = pytest.mark.e2e
 # PROMPT first, then two more: together ~3x what the CPU tier holds, so PROMPT's chunks
 # are demoted before pass 2 needs them again.
 PROMPTS = [PROMPT, random_prompt(1000, seed=31), random_prompt(1000, seed=32)]
+# Llama's chunks (fp32, one 32-token block) are 32 KiB: four of them, where PROMPT has 31.
+SMALL_CPU_BYTES = 128 << 10
 
 
 def _disk_extra(namespace: str, disk_path: Path, cpu_bytes: int | str) -> dict[str, Any]:
@@ -70,6 +72,35 @@ def test_prompts_larger_than_the_cpu_tier_hit_from_disk_with_parity(
     for i in range(len(PROMPTS)):
         assert only(passes, 1, i)["tokens"] == only(passes, 0, i)["tokens"]
         assert only(passes, 1, i)["num_cached_tokens"] >= MIN_CACHED_FRACTION * 1000
+
+
+def test_a_prompt_larger_than_the_whole_cpu_tier_hits_from_disk(
+    runs, run_engine, tiny_model, tmp_path: Path
+) -> None:
+    """A CPU tier of 4 chunks, a prompt of 31: pass 2 reloads the whole prompt, most of it
+    straight from disk (its own leased chunks hold the room a promotion would need), with
+    the reference restore's hit boundary, tokens and log-probs. Before: 4 chunks were
+    stored (the batch's own chunks held the room) and 128 of 1,000 tokens reloaded."""
+    namespace = "tierstore-e2e-disk-small-cpu"
+    extra = _disk_extra(namespace, tmp_path / "disk", SMALL_CPU_BYTES)
+    passes = run_engine(
+        {**engine_for(tiny_model, "llama", "float32"), "kv_extra_config": extra}, [PROMPT], 2
+    )
+    status = collect_status(namespace)
+    (node,) = status["nodes"]
+    assert node["cpu"]["used_bytes"] <= node["cpu"]["capacity_bytes"] == SMALL_CPU_BYTES
+    # Stored whole (its head demoted to disk as its tail arrived), none of it skipped...
+    assert node["disk"]["chunks"] >= len(PROMPT) // passes.block_size > 2 * node["cpu"]["chunks"]
+    assert status["totals"]["skipped_stores"] == 0
+    # ...and read back straight from disk: no CPU room to promote it into.
+    assert status["totals"]["disk_hits"] > 0
+
+    restored = only(passes, 1)
+    reference = only(runs["llama"]["reference"], 1)
+    assert restored["num_cached_tokens"] == reference["num_cached_tokens"]
+    assert restored["num_cached_tokens"] >= MIN_CACHED_FRACTION * len(PROMPT)
+    assert restored["tokens"] == reference["tokens"] == only(passes, 0)["tokens"]
+    assert restored["logprobs"] == reference["logprobs"]
 
 
 @pytest.fixture

@@ -218,3 +218,30 @@ def test_a_request_loads_only_from_the_tiers_it_allows(cfg: TierStoreConfig) -> 
         results[name] = _settle(manager, _key(1), ctx)
     assert results == {"local": LookupResult.HIT, "remote": LookupResult.MISS}
     manager.shutdown()
+
+
+def test_hits_read_straight_from_disk_count_as_storage(cfg: TierStoreConfig) -> None:
+    """A prompt larger than the CPU tier: its head is on disk, with no CPU room to
+    promote it (its own chunks hold the room), so those HITs are read from disk. They
+    count as the disk tier, and a request that loads only from CPU computes them."""
+    evictor = EvictorClient(get_or_create_evictor(cfg))
+    node = ray.get_runtime_context().get_node_id()
+    evictor.register_node(node, 200, 10_000).result()
+    keys = [_key(i) for i in range(4)]
+    parents = [None, *keys[:-1]]
+    offers = [ShardOffer(NS, k, 0, 1, 100, p) for k, p in zip(keys, parents, strict=True)]
+    assert evictor.admit(node, offers).result()[0] == [True] * 4  # two demoted on admission
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
+    results = {}
+    cpu_only = TierFilter((TierMatcher(Medium.CPU),))
+    for name, tier_filter in [("all", TierFilter.ALL), ("cpu", cpu_only)]:
+        ctx = ReqContext(req_id=name, load_tier_filter=tier_filter)
+        manager.on_new_request(ctx)
+        for key in keys:
+            manager.lookup(key, ctx)
+        manager.on_schedule_end(END)
+        results[name] = [_settle(manager, key, ctx) for key in keys]
+    hit, miss = LookupResult.HIT, LookupResult.MISS
+    assert results == {"all": [hit] * 4, "cpu": [miss, miss, hit, hit]}
+    assert manager.get_stats().data["data"][metrics.LOOKUP_HITS] == {("disk",): 4, ("cpu",): 4}
+    manager.shutdown()

@@ -8,7 +8,9 @@ Vocabulary:
   disk tier, or both. The disk tier is written through (each new shard is copied to
   disk after it is acknowledged, when there is room), so a restart loses nothing that
   reached disk, and demoting a shard that is already on disk only frees its memory;
-- a *chunk* ``(namespace, key)`` is loadable when every rank's shard is in a CPU tier;
+- a *chunk* ``(namespace, key)`` is loadable when every rank's shard is held. A lookup
+  promotes its disk-only shards to CPU first where there is room, else it is loaded
+  straight from disk (see :meth:`ChunkIndex.lookup`);
 - a *unit* is every group's chunk at one token boundary (the key minus its group
   suffix). Units are what the policy orders and what is evicted: a hybrid model's
   boundary is only usable with every group present.
@@ -192,10 +194,11 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
         """Decide which offered shards ``node`` keeps in its CPU tier.
 
-        Room is made by demoting to disk, then by dropping whole units, tail first. A
-        shard is refused (a skipped store, never an error) when it is already held or
-        when only leased, pinned, promoting or this batch's own units are left. Each
-        admitted shard is also written through to disk when the disk has room.
+        Room is made by demoting to disk, then by dropping whole units, tail first, then
+        by demoting this batch's own units (never dropping them). A shard is refused (a
+        skipped store, never an error) when it is already held or when only leased,
+        pinned or promoting units are left (or, without a disk tier, this batch's own).
+        Each admitted shard is also written through to disk when the disk has room.
         """
         if node not in self._nodes:
             raise UnknownNodeError(f"node {node!r} is not registered with the Evictor")
@@ -210,7 +213,10 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
             if not valid_offer(offer) or self._shard(offer.namespace, offer.key, offer.rank):
                 accepted.append(False)
                 continue
-            if not self._make_cpu_room(node, offer.nbytes, protected, now, actions):
+            own = UnitId(offer.namespace, boundary_of(offer.key))
+            if not self._make_cpu_room(
+                node, offer.nbytes, protected, now, actions
+            ) and not self._demote_for_store(node, offer.nbytes, own, protected, now, actions):
                 self.stats.skipped_stores += 1
                 accepted.append(False)
                 continue
@@ -232,10 +238,18 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
         lease_ttl_s: float,
         node: NodeId | None = None,
     ) -> tuple[list[LookupAnswer], Actions]:
-        """Answer each key; a chunk with shards on disk is promoted first (PENDING).
+        """Answer each key. A HIT and a PENDING are leased to ``holder``, so they stay until
+        loaded; a HIT names the asking engine's ``node`` when a replica there holds the
+        whole chunk.
 
-        A HIT and a PENDING are leased to ``holder``, so they stay until loaded. A HIT
-        names the asking engine's ``node`` when a replica there holds the whole chunk.
+        A chunk with shards on disk is promoted first (PENDING) when its node's CPU tier
+        can make room. When it cannot (typically a prompt larger than the CPU tier, whose
+        own chunks, all asked in this batch, hold the room), it is a HIT read from disk
+        (``tier`` DISK): the NodeStore's load reads a verified disk copy as readily as a
+        memory one, and the lease keeps that disk copy (a leased unit is never demoted or
+        dropped for room). Answering MISS there would recompute a prompt whose every
+        chunk is stored, and a PENDING without room would never resolve and cost the
+        request its whole ``lookup_timeout_ms``.
         """
         answers: list[LookupAnswer] = []
         actions: Actions = defaultdict(NodeActions)
@@ -248,27 +262,35 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 answers.append(LookupAnswer(LookupState.MISS))
                 continue
             uid = UnitId(namespace, boundary_of(key))
-            if node is not None and chunk.replica_ready(node):
-                self._leases[cid][holder] = now + lease_ttl_s
-                self._touch(uid)
-                self._replicas_on[node].move_to_end(cid)
-                self.stats.hits += 1
-                where = dict.fromkeys(range(chunk.world_size), node)
-                answers.append(LookupAnswer(LookupState.HIT, where))
-                continue
-            on_disk = [(r, s) for r, s in chunk.held() if not s.cpu]
-            if on_disk and not self._promote(uid, chunk, on_disk, protected, now, actions):
-                self.stats.misses += 1
-                answers.append(LookupAnswer(LookupState.MISS))
-                continue
             self._leases[cid][holder] = now + lease_ttl_s
             self._touch(uid)
-            if any(s.promoting for _, s in chunk.held()):
-                answers.append(LookupAnswer(LookupState.PENDING))
-                continue
-            self.stats.hits += 1
-            answers.append(LookupAnswer(LookupState.HIT, {r: s.node for r, s in chunk.held()}))
+            answers.append(self._answer(uid, chunk, node, protected, now, actions))
         return answers, dict(actions)
+
+    def _answer(
+        self,
+        uid: UnitId,
+        chunk: Chunk,
+        node: NodeId | None,
+        protected: set[UnitId],
+        now: float,
+        actions: Actions,
+    ) -> LookupAnswer:
+        """A complete, leased chunk: HIT from a replica, from CPU or disk, or PENDING."""
+        if node is not None and chunk.replica_ready(node):
+            self._replicas_on[node].move_to_end(ChunkId(uid.namespace, chunk.key))
+            self.stats.hits += 1
+            return LookupAnswer(LookupState.HIT, dict.fromkeys(range(chunk.world_size), node))
+        on_disk = [(r, s) for r, s in chunk.held() if not s.cpu]
+        if on_disk and self._promote(uid, chunk, on_disk, protected, now, actions):
+            return LookupAnswer(LookupState.PENDING)
+        if any(s.promoting for _, s in chunk.held()):
+            return LookupAnswer(LookupState.PENDING)
+        self.stats.hits += 1
+        if on_disk:
+            self.stats.disk_hits += 1
+        where = {r: s.node for r, s in chunk.held()}
+        return LookupAnswer(LookupState.HIT, where, TierName.DISK if on_disk else TierName.CPU)
 
     def _promote(
         self,

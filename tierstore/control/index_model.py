@@ -49,6 +49,9 @@ class LookupState(str, Enum):
 class LookupAnswer(NamedTuple):
     state: LookupState
     where: dict[int, NodeId] | None = None  # rank -> node, for a HIT
+    # Where a HIT's bytes are read from: DISK when any rank is loaded from its disk copy
+    # (no CPU room to promote it first). None unless a HIT.
+    tier: TierName | None = None
 
 
 @dataclass
@@ -147,6 +150,7 @@ class IndexStats:
     evicted_chunks: int = 0  # dropped for room (from any tier)
     demoted_shards: int = 0
     promoted_shards: int = 0
+    disk_hits: int = 0  # HITs loaded straight from disk: no CPU room to promote them
     skipped_stores: int = 0
     replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore

@@ -1,7 +1,9 @@
 """Making room in a node's tiers (a part of ChunkIndex).
 
 CPU room is made by dropping the node's replicas first, then by demoting units to disk,
-then by dropping whole units, tail first; disk room only by dropping disk-only tails.
+then by dropping whole units, tail first; disk room only by dropping disk-only tails. A
+store that finds only its own (protected) units left demotes those to disk as a last
+resort, so a prompt larger than the CPU tier is stored whole.
 Past the high watermark, CPU copies are demoted down to the low one.
 
 Needs from the other parts: the candidate walk (``_walk``), the tree (``_gain``,
@@ -56,6 +58,35 @@ class RoomMixin(IndexState):
             return True
 
         return self._make_room(node, TierName.CPU, nbytes, protected, now, free_one)
+
+    def _demote_for_store(
+        self,
+        node: NodeId,
+        nbytes: int,
+        own: UnitId,
+        protected: set[UnitId],
+        now: float,
+        actions: Actions,
+    ) -> bool:
+        """A store's last resort: make CPU room by demoting even ``protected`` units (the
+        batch's own, their parents) to disk, never dropping one.
+
+        Protection is against dropping: a dropped parent would leave the new chunks
+        unreachable. A demoted one stays indexed and is loaded from disk, so a prompt
+        larger than the whole CPU tier is still stored whole, its earlier chunks going
+        to disk as later ones arrive. ``own``: the offer's unit, never demoted for itself.
+        The NodeStore writes a demoted shard of the same batch straight to disk.
+        """
+        if self._nodes[node][TierName.DISK].capacity_bytes == 0:
+            return False
+        return self._make_room(
+            node,
+            TierName.CPU,
+            nbytes,
+            {own},
+            now,
+            lambda uid: self._demote(uid, node, protected, now, actions),
+        )
 
     def _demote(
         self, uid: UnitId, node: NodeId, protected: set[UnitId], now: float, actions: Actions

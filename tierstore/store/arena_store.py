@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from tierstore.control.index import ShardOffer
 from tierstore.data.arena.region import RegionInfo
+from tierstore.data.checksum import digest
 from tierstore.data.tiers.arena import ArenaTier
-from tierstore.data.tiers.base import ShardMeta
+from tierstore.data.tiers.base import ShardMeta, StoredShard
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, ShardId
 
@@ -65,27 +65,38 @@ class ArenaStore:
         if epoch != self.epoch:
             return 0, self.epoch
         core = self._core
-        offers = [
-            ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
-        ]
-        accepted, persist = core.admit(offers)
+        accepted, to_disk, persist = core.admit(namespace, rank, world_size, entries)
         kept = 0
         lost: list[ShardId] = []
         for entry, ok in zip(entries, accepted, strict=True):
             shard_id = ShardId(namespace, entry.key, rank)
+            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
             if not ok:
-                core.stats.skipped_shards += 1
+                core._count(skipped_shards=1)
                 self.tier.give_back(holder, [entry.offset])
                 continue
-            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
-            if not self._adopt(holder, shard_id, meta, entry.offset):
+            if shard_id in to_disk:  # demoted on admission: straight from the extent to disk
+                held = self._to_disk(holder, shard_id, meta, entry.offset)
+            else:
+                held = self._adopt(holder, shard_id, meta, entry.offset)
+            if not held:
                 lost.append(shard_id)
                 continue
             kept += 1
-            core.stats.stored_shards += 1
-            core.stats.stored_bytes += entry.nbytes
+            core._count(stored_shards=1, stored_bytes=entry.nbytes)
         core.settle_store(lost, persist)
         return kept, self.epoch
+
+    def _to_disk(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
+        """Write a committed extent to the disk tier (verified first), then free it."""
+        view = self.tier.region.view(offset, meta.nbytes)
+        try:
+            if digest(view) != meta.digest:
+                self._core._count(corrupt_on_store=1)
+                return False
+            return self._core.keep(shard_id, StoredShard(meta, view), to_disk=True)
+        finally:
+            self.tier.give_back(holder, [offset])
 
     def _adopt(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
         corrupt = self.tier.corrupt_adoptions
@@ -95,10 +106,10 @@ class ArenaStore:
             logger.warning("bad commit from %s", holder, exc_info=True)
             return False
         if self.tier.corrupt_adoptions != corrupt:
-            self._core.stats.corrupt_on_store += 1
+            self._core._count(corrupt_on_store=1)
             logger.error("shard %s arrived corrupt; not stored", shard_id.key.hex())
         elif not held:
-            self._core.stats.skipped_shards += 1
+            self._core._count(skipped_shards=1)
         return held
 
     def give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:
@@ -114,8 +125,9 @@ class ArenaStore:
         if epoch != self.epoch:
             raise StaleArenaError(f"arena {epoch} was replaced by {self.epoch}")
         pins = self.tier.pin(holder, [ShardId(namespace, key, rank) for key in keys])
-        self._core.stats.loaded_shards += len(pins)
-        self._core.stats.loaded_bytes += sum(meta.nbytes for _, meta in pins)
+        self._core._count(
+            loaded_shards=len(pins), loaded_bytes=sum(meta.nbytes for _, meta in pins)
+        )
         return pins
 
     def unpin(self, holder: str, epoch: str, offsets: list[int]) -> None:

@@ -220,14 +220,16 @@ class TierStoreManager(OffloadingManager):
             late = []  # leased for an ask given up: finished, or timed out
             if state is not None:
                 self._metrics.observe(metrics.LOOKUP_WAIT, now - asked_at)
-            for key, (answer_state, where) in zip(keys, answers, strict=True):
+            for key, (answer_state, where, from_tier) in zip(keys, answers, strict=True):
                 answer_state = LookupState(answer_state)
                 if state is None or key not in state.pending:
                     if state is None or state.is_late(key, answer_state):
                         late.append(key)
                     continue
                 # Re-ask a HIT well before its lease ends.
-                tier = state.take(key, answer_state, where, now, self._cfg.lease_ttl_s / 2)
+                tier = state.take(
+                    key, answer_state, where, now, self._cfg.lease_ttl_s / 2, from_tier
+                )
                 if answer_state == LookupState.HIT:
                     self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
                 elif answer_state == LookupState.MISS:

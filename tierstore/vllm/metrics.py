@@ -55,6 +55,7 @@ CLUSTER_TOTALS = {
     "evicted_chunks": "Chunks dropped from every tier to make room.",
     "demoted_shards": "Shards demoted from CPU to disk.",
     "promoted_shards": "Shards promoted from disk to CPU before a HIT.",
+    "disk_hits": "Lookups answered HIT from disk, without promotion (no CPU room for it).",
     "skipped_stores": "Stores refused because only leased or pinned chunks were left.",
     "failed_stores": "Store jobs a worker could not hand to its NodeStore (not kept).",
     "replicated_chunks": "Hot chunks copied to a node that kept loading them from another.",

@@ -104,18 +104,20 @@ class RequestState:
         where: dict[int, NodeId] | None,
         now: float,
         hit_ttl_s: float,
+        from_tier: TierName | str | None = None,
     ) -> TierName:
         """Record the Evictor's answer for a pending ``key``; returns the tier a HIT came
-        from (DISK when it was promoted first)."""
+        from: DISK when it was promoted first, or is read straight from disk
+        (``from_tier``, the Evictor's word for where the HIT's bytes are)."""
         self.in_flight.discard(key)
-        tier = TierName.CPU
+        tier = TierName.DISK if from_tier == TierName.DISK else TierName.CPU
         if state == LookupState.PENDING:  # still waiting: keeps its first ask's time
             self.promoting.add(key)
         else:
             del self.pending[key]
             if state == LookupState.HIT and key in self.promoting:
-                self.promoting.discard(key)
                 tier = TierName.DISK
+            self.promoting.discard(key)
         ttl = {LookupState.HIT: hit_ttl_s, LookupState.MISS: MISS_TTL_S}.get(state, PENDING_RETRY_S)
         self.answers[key] = Answer(state, where, now + ttl, tier)
         if state != LookupState.MISS:

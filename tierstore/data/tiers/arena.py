@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from typing_extensions import override
@@ -51,6 +52,8 @@ class ArenaTier(Tier):
         # -> (offset, meta, extent bytes): an adopted extent may be bigger than its shard
         self._shards: dict[ShardId, tuple[int, ShardMeta, int]] = {}
         self._doomed: dict[int, int] = {}  # deleted while pinned: offset -> bytes
+        self._readers = 0  # NodeStore threads inside reading()
+        self._deferred: list[tuple[int, int]] = []  # deleted while read: freed after
         self._lock = threading.RLock()
         self.refused_grants = 0  # extents asked for that the arena had no room for
         self.corrupt_adoptions = 0
@@ -70,12 +73,36 @@ class ArenaTier(Tier):
 
     @override
     def get(self, shard_id: ShardId) -> StoredShard:
+        shard = self.find(shard_id)
+        if shard is None:
+            raise ChunkNotFoundError(f"shard not in CPU tier: {shard_id!r}")
+        return shard
+
+    @override
+    def find(self, shard_id: ShardId) -> StoredShard | None:
+        """A view of the shard's extent: use it inside :meth:`reading` (or on the thread
+        that deletes shards), since a deleted shard's extent is reused."""
         with self._lock:
             entry = self._shards.get(shard_id)
         if entry is None:
-            raise ChunkNotFoundError(f"shard not in CPU tier: {shard_id!r}")
+            return None
         offset, meta, _ = entry
         return StoredShard(meta, self.region.view(offset, meta.nbytes))
+
+    @override
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._lock:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if not self._readers:
+                    for offset, nbytes in self._deferred:
+                        self.allocator.free(offset, nbytes)
+                    self._deferred.clear()
 
     @override
     def delete(self, shard_id: ShardId) -> int:
@@ -88,7 +115,7 @@ class ArenaTier(Tier):
             if offset in self.holdings.pin_count:
                 self._doomed[offset] = extent  # freed by the last unpin
             else:
-                self.allocator.free(offset, extent)
+                self._release(offset, extent)
             return meta.nbytes
 
     @override
@@ -215,6 +242,13 @@ class ArenaTier(Tier):
     def _free_if_doomed(self, offset: int) -> None:
         nbytes = self._doomed.pop(offset, None)
         if nbytes is not None:
+            self._release(offset, nbytes)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """Lock held: a deleted shard's extent, free once no NodeStore read may use it."""
+        if self._readers:
+            self._deferred.append((offset, nbytes))
+        else:
             self.allocator.free(offset, nbytes)
 
     def reclaim_dead(self) -> int:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.errors import TierFullError
+from tierstore.errors import ChunkNotFoundError, TierFullError
 from tierstore.keys import ShardId
 
 
@@ -32,7 +33,8 @@ class StoredShard:
 class Tier(ABC):
     """A bounded store of shards.
 
-    Called only from the owning NodeStore's thread; methods never block on the network.
+    Thread-safe (the NodeStore loads on several threads while it stores and drops on
+    another); methods never block on the network and hold no lock across payload I/O.
     Which shards to evict is not the tier's decision: the Evictor decides, and the
     NodeStore calls :meth:`delete`. A tier only refuses what does not fit.
     """
@@ -70,6 +72,19 @@ class Tier(ABC):
         data = np.empty(meta.nbytes, dtype=np.uint8)
         write(data)
         self.put(shard_id, StoredShard(meta, data))
+
+    def find(self, shard_id: ShardId) -> StoredShard | None:
+        """The shard, or None (one look-up: no drop can slip in between two)."""
+        try:
+            return self.get(shard_id)
+        except ChunkNotFoundError:
+            return None
+
+    def reading(self) -> AbstractContextManager[None]:
+        """While inside, bytes of shards :meth:`find` returned stay readable even if the
+        shard is deleted meanwhile (the arena defers reusing their extents). A tier that
+        never reuses memory needs nothing."""
+        return nullcontext()
 
     @abstractmethod
     def get(self, shard_id: ShardId) -> StoredShard:

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import struct
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,7 +59,11 @@ def _shard_file_name(shard_id: ShardId) -> str:
 
 
 class DiskTier(Tier):
-    """Called from one thread (the NodeStore's); every read is checksum-verified."""
+    """Every read is checksum-verified. Thread-safe: a lock guards the index and the byte
+    count, never a payload read or write, so loads on the NodeStore's data threads read
+    files while its control thread writes and deletes others. A file deleted under a
+    read fails that read (ChunkNotFoundError); an open file is read whole (an unlinked
+    inode stays readable), and a file is only ever replaced by the same shard's bytes."""
 
     name = "disk"
     copies_on_put = True  # to a file
@@ -68,6 +73,7 @@ class DiskTier(Tier):
         self.root = Path(root)
         self.fsync = fsync
         self._index: dict[ShardId, tuple[Path, ShardMeta]] = {}
+        self._lock = threading.Lock()
         self.corrupt_files_removed = 0
         self.root.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
         os.chmod(self.root, _DIR_MODE)
@@ -83,10 +89,12 @@ class DiskTier(Tier):
     # ---- Tier ------------------------------------------------------------------------------
     @override
     def put(self, shard_id: ShardId, shard: StoredShard) -> None:
-        if shard_id in self._index:
-            return
-        self._check_room(shard.meta.nbytes)
         path = self._path(shard_id)
+        with self._lock:  # the room is reserved until the file is published or fails
+            if shard_id in self._index:
+                return
+            self._check_room(shard.meta.nbytes)
+            self._used_bytes += shard.meta.nbytes
         header = msgpack.packb(
             {
                 "namespace": shard_id.namespace,
@@ -115,16 +123,20 @@ class DiskTier(Tier):
             os.replace(tmp, path)  # atomic publish: readers see all or nothing
         except OSError as exc:
             tmp.unlink(missing_ok=True)
+            with self._lock:
+                self._used_bytes -= shard.meta.nbytes
             raise TierFullError(f"disk tier write failed at {path}: {exc}") from exc
-        self._index[shard_id] = (path, shard.meta)
-        self._used_bytes += shard.meta.nbytes
+        with self._lock:
+            if shard_id in self._index:  # written twice at once: one reservation is freed
+                self._used_bytes -= shard.meta.nbytes
+            else:
+                self._index[shard_id] = (path, shard.meta)
 
     @override
     def get(self, shard_id: ShardId) -> StoredShard:
         meta = self.meta(shard_id)
         payload = np.empty(meta.nbytes, dtype=np.uint8)
-        self.read_into(shard_id, payload)
-        return StoredShard(meta, payload)
+        return StoredShard(self.read_into(shard_id, payload), payload)
 
     def meta(self, shard_id: ShardId) -> ShardMeta:
         entry = self._index.get(shard_id)
@@ -136,33 +148,38 @@ class DiskTier(Tier):
         """Read the shard's payload straight into ``out`` (uint8, its length; e.g. an arena
         extent), then verify length and checksum there. A bad file is removed and raises
         ChunkCorruptError; ``out`` then holds garbage, which the caller must not keep."""
-        meta = self.meta(shard_id)
-        path = self._path_of(shard_id)
+        entry = self._index.get(shard_id)
+        if entry is None:
+            raise ChunkNotFoundError(f"shard not on disk: {shard_id!r}")
+        path, meta = entry
         if out.nbytes != meta.nbytes:
             raise ValueError(f"{out.nbytes}-byte buffer for a {meta.nbytes}-byte shard {path}")
         try:
             header = _read_file_into(path, out)
         except (OSError, ValueError) as exc:
-            self._discard(shard_id)
+            self._discard(shard_id, entry)
             raise ChunkCorruptError(f"unreadable chunk file {path}: {exc}") from exc
         if header.get("length") != meta.nbytes:
-            self._discard(shard_id)
+            self._discard(shard_id, entry)
             raise ChunkCorruptError(f"chunk file {path}: header changed since it was written")
         if digest(out) != meta.digest:
-            self._discard(shard_id)
+            self._discard(shard_id, entry)
             raise ChunkCorruptError(f"chunk file {path}: checksum mismatch")
         return meta
 
-    def _path_of(self, shard_id: ShardId) -> Path:
-        return self._index[shard_id][0]
-
     @override
     def delete(self, shard_id: ShardId) -> int:
-        entry = self._index.pop(shard_id, None)
-        if entry is None:
+        with self._lock:
+            return self._delete(shard_id, self._index.get(shard_id))
+
+    def _delete(self, shard_id: ShardId, entry: tuple[Path, ShardMeta] | None) -> int:
+        """Remove ``entry`` if it is still the shard's (lock held): a read that failed
+        on a file dropped, or re-written, meanwhile takes nothing newer with it."""
+        if entry is None or self._index.get(shard_id) is not entry:
             return 0
+        del self._index[shard_id]
         path, meta = entry
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # one metadata syscall; never a payload under the lock
         self._used_bytes -= meta.nbytes
         return meta.nbytes
 
@@ -172,8 +189,9 @@ class DiskTier(Tier):
 
     @override
     def items(self) -> Iterator[tuple[ShardId, ShardMeta]]:
-        for shard_id, (_, meta) in self._index.items():
-            yield shard_id, meta
+        with self._lock:  # a snapshot: the index may change while the caller iterates
+            held = [(shard_id, meta) for shard_id, (_, meta) in self._index.items()]
+        yield from held
 
     @override
     def __len__(self) -> int:
@@ -183,10 +201,14 @@ class DiskTier(Tier):
         return self._index[shard_id][0]
 
     # ---- start-up --------------------------------------------------------------------------
-    def _discard(self, shard_id: ShardId) -> None:
-        """A corrupt file is deleted so it can never be served, now or after a restart."""
-        self.delete(shard_id)
-        self.corrupt_files_removed += 1
+    def _discard(self, shard_id: ShardId, entry: tuple[Path, ShardMeta]) -> None:
+        """A corrupt file is deleted so it can never be served, now or after a restart.
+        Raises ChunkNotFoundError instead if the shard was dropped during the read."""
+        with self._lock:
+            if self._index.get(shard_id) is not entry:
+                raise ChunkNotFoundError(f"shard dropped from disk while read: {shard_id!r}")
+            self._delete(shard_id, entry)
+            self.corrupt_files_removed += 1
 
     def _recover(self, path: Path) -> tuple[ShardId, ShardMeta]:
         """One file's shard, from its header; raises one of ``_UNREADABLE`` if the file is

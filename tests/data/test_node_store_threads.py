@@ -1,0 +1,133 @@
+"""NodeStoreCore under the actor's threads: loads on several threads while one control
+thread stores, writes through, demotes and drops the same shards (real tiers, real
+files; the Evictor is an in-process fake of our own port that admits everything)."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
+from tierstore.data.checksum import digest
+from tierstore.data.tiers.disk import DiskTier
+from tierstore.data.tiers.memory import MemoryTier
+from tierstore.errors import ChunkNotFoundError
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.store.node_store import NodeStoreCore, ShardEntry
+
+NS = Namespace("abcd")
+NODE = NodeId("n1")
+KEYS = 12
+SHARD = 4096
+ROUNDS = 60
+
+
+class AdmitAll:
+    """The EvictorPort: admits every offer; one-way reports are recorded."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[ShardId] = []
+
+    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
+        return AdmitResult([True] * len(offers), {})
+
+    def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
+        return [True] * len(held), NodeActions()
+
+    def promoted(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        pass
+
+    def forget_shards(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
+        self.forgotten += shard_ids
+
+    def report_corrupt_after_hit(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
+        raise AssertionError(f"no shard is corrupt, yet {shard_ids} was reported")
+
+    def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+        pass
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0")
+
+
+def _bytes(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, SHARD, dtype=np.uint8)
+
+
+def _control(core: NodeStoreCore, rng: random.Random) -> None:
+    """The control thread: stores, write-through, demotions, promotions and drops."""
+    for _ in range(ROUNDS):
+        i = rng.randrange(KEYS)
+        data = _bytes(i)
+        entry = ShardEntry(_key(i), 0, SHARD, digest(data), 1)
+        core.store(NS, 0, 1, [entry], data)
+        sid = ShardId(NS, _key(i), 0)
+        step = rng.choice(["persist", "demote", "promote", "drop"])
+        core.apply(NodeActions(**{step: [sid]}))
+
+
+def _loads(core: NodeStoreCore, rng: random.Random, served: list[int]) -> None:
+    """A data thread: every answer is the shard's own bytes, or a clean miss."""
+    for _ in range(ROUNDS * 4):
+        keys = rng.sample(range(KEYS), 3)
+        try:
+            data, metas = core.load(NS, 0, [_key(i) for i in keys])
+        except ChunkNotFoundError:
+            continue
+        assert bytes(data) == b"".join(bytes(_bytes(i)) for i in keys)
+        assert [m.digest for m in metas] == [digest(_bytes(i)) for i in keys]
+        served.append(len(keys))
+
+
+def _inventory(core: NodeStoreCore) -> None:
+    for _ in range(ROUNDS * 2):
+        core.inventory()
+        core.status()
+
+
+def _run(targets: list[Callable[[], None]]) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # reported by the test, not lost with the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_loads_beside_stores_demotions_and_drops_get_right_bytes_or_a_miss(
+    tmp_path: Path,
+) -> None:
+    disk = DiskTier(tmp_path / "disk", KEYS * SHARD)
+    core = NodeStoreCore(NODE, MemoryTier(KEYS * SHARD), disk, AdmitAll())
+    served: list[int] = []
+    for seed in range(5):  # a few interleavings; each run is deterministic per thread
+        errors = _run(
+            [lambda s=seed: _control(core, random.Random(s))]
+            + [
+                lambda s=seed, t=t: _loads(core, random.Random(s * 10 + t), served)
+                for t in range(3)
+            ]
+            + [lambda: _inventory(core)]
+        )
+        assert not errors, errors
+    assert served, "no load found a shard: the test proved nothing"
+    stats = core.status()["stats"]
+    assert stats["corrupt_before_hit"] == stats["corrupt_after_hit"] == 0
+    assert disk.corrupt_files_removed == 0
+    # The byte counts agree with what the tiers hold, and every disk file is there.
+    assert core.cpu.used_bytes == sum(m.nbytes for _, m in core.cpu.items())
+    assert disk.used_bytes == sum(m.nbytes for _, m in disk.items())
+    assert all(disk.path_of(s).exists() for s, _ in disk.items())

@@ -1,0 +1,37 @@
+"""The NodeStore's counters, and a tier's fill for ``status``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tierstore.data.tiers.base import Tier
+
+
+@dataclass
+class NodeStoreStats:
+    """Counters; written only through :meth:`NodeStoreCore._count` (under its lock)."""
+
+    stored_shards: int = 0
+    skipped_shards: int = 0
+    loaded_shards: int = 0
+    stored_bytes: int = 0
+    loaded_bytes: int = 0
+    dropped_shards: int = 0
+    demoted_shards: int = 0
+    promoted_shards: int = 0
+    replicas_sent: int = 0  # shards pushed to nodes that kept loading them
+    replicas_received: int = 0
+    failed_demotions: int = 0
+    corrupt_on_store: int = 0
+    corrupt_before_hit: int = 0
+    corrupt_after_hit: int = 0
+
+
+def tier_status(tier: Tier | None) -> dict[str, int]:
+    if tier is None:
+        return {"used_bytes": 0, "capacity_bytes": 0, "chunks": 0}
+    return {
+        "used_bytes": tier.used_bytes,
+        "capacity_bytes": tier.capacity_bytes,
+        "chunks": len(tier),
+    }
