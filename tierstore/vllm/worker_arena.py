@@ -173,29 +173,35 @@ class WorkerArena:
                 self._refilling.release()
 
     def _refill(self) -> None:
-        """Refill thread: ask for what the pool wants, once; errors are logged."""
+        """Refill thread: ask for what the pool wants until it wants no more, the arena
+        is full or a call fails; errors are logged."""
         try:
-            sizes = self.pool.wanted()
-            if not sizes:
-                return
-            try:
-                epoch, offsets = (
-                    self._calls()
-                    .arena_grant(self.holder, self.epoch, sizes)
-                    .result(self._timeout_s)
-                )
-            except Exception:
-                self.pool.add(sizes, [None] * len(sizes), self.epoch)
-                logger.warning("arena grant failed; stores take the object store", exc_info=True)
-                return
-            if epoch != self.epoch:
-                self.stale = True  # granted nothing; the worker maps the new arena
-            stale = self.pool.add(sizes, offsets, epoch)
-            self.give_back(stale, epoch)
+            while self._refill_once():
+                pass  # jobs took extents while the last grant was in flight
         except Exception:
             logger.error("arena refill failed", exc_info=True)
         finally:
             self._refilling.release()
+
+    def _refill_once(self) -> bool:
+        """One grant call for what the pool wants; False when it wants nothing more
+        (or the call failed)."""
+        sizes = self.pool.wanted()
+        if not sizes:
+            return False
+        try:
+            epoch, offsets = (
+                self._calls().arena_grant(self.holder, self.epoch, sizes).result(self._timeout_s)
+            )
+        except Exception:
+            self.pool.add(sizes, [None] * len(sizes), self.epoch)
+            logger.warning("arena grant failed; stores take the object store", exc_info=True)
+            return False
+        if epoch != self.epoch:
+            self.stale = True  # granted nothing; the worker maps the new arena
+        stale = self.pool.add(sizes, offsets, epoch)
+        self.give_back(stale, epoch)
+        return not stale and None not in offsets  # the arena is not full
 
     def close(self) -> None:
         """Worker shutdown: give back what the pool holds, release the lock."""

@@ -233,6 +233,8 @@ class ArenaMapping(_Mapping):
             size = os.fstat(fd).st_size
             if size != info.nbytes:
                 raise ArenaError(f"arena {info.path} has {size} bytes, expected {info.nbytes}")
-            super().__init__(fd, info.nbytes, populate=False)
+            # Page tables filled now (on the worker's set-up thread), not by faults in
+            # the first gathers and scatters.
+            super().__init__(fd, info.nbytes, populate=True)
         finally:
             os.close(fd)
