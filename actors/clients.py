@@ -24,6 +24,7 @@ from tierstore.actors.calls import (
 
 from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, NodeActions, ShardOffer
+from tierstore.data.arena.region import RegionInfo
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.node_store import ShardEntry
@@ -181,6 +182,52 @@ class NodeStoreClient:
 
     def apply(self, actions: NodeActions) -> Pending[None]:
         return self._call("apply", actions)
+
+    def arena_info(self) -> Pending[tuple[RegionInfo | None, int]]:
+        def info(value: Any) -> tuple[RegionInfo | None, int]:
+            region, room = value
+            if region is not None and not isinstance(region, RegionInfo):
+                region = RegionInfo(*region)
+            return region, int(room)
+
+        return self._call("arena_info", convert=info)
+
+    def arena_grant(
+        self, holder: str, epoch: str, sizes: list[int]
+    ) -> Pending[tuple[str, list[int | None]]]:
+        return self._call("arena_grant", holder, epoch, sizes)
+
+    def arena_commit(
+        self,
+        holder: str,
+        epoch: str,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+    ) -> Pending[tuple[int, str]]:
+        return self._call("arena_commit", holder, epoch, namespace, rank, world_size, entries)
+
+    def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:
+        return self._call("arena_give_back", holder, epoch, offsets)
+
+    def arena_pin(
+        self, holder: str, epoch: str, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> Pending[list[tuple[int, ShardMeta]]]:
+        return self._call(
+            "arena_pin",
+            holder,
+            epoch,
+            namespace,
+            rank,
+            keys,
+            convert=lambda pins: list(
+                zip([int(at) for at, _ in pins], metas_of(m for _, m in pins), strict=True)
+            ),
+        )
+
+    def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:
+        return self._call("arena_unpin", holder, epoch, offsets)
 
     def accept_replicas(
         self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray

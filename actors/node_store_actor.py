@@ -3,9 +3,11 @@
 A threaded actor with concurrency groups (:data:`CONCURRENCY_GROUPS`), so a load never
 queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk work:
 
-- ``data`` (:data:`DATA_THREADS` threads): ``load``. Holds the core's lock only to look
-  shards up and copy them out; never waits on the Evictor or a peer.
-- ``control`` (one thread): ``store``, ``apply``, ``accept_replicas``, ``reregister``.
+- ``data`` (:data:`DATA_THREADS` threads): ``load`` and the arena's grants, pins and
+  unpins. Holds the core's lock only to look shards up and copy them out; never waits
+  on the Evictor or a peer.
+- ``control`` (one thread): ``store``, ``arena_commit``, ``apply``, ``accept_replicas``,
+  ``reregister``.
   Waits on the Evictor (deadlines below) and writes to disk. One thread keeps the
   Evictor's decisions applied in the order it made them, as before.
 - the default group (one thread): ``inventory``, ``status`` and the ``*_for_test``
@@ -17,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
@@ -29,11 +32,13 @@ from tierstore.actors.names import node_store_name
 
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
+from tierstore.data.arena.region import ArenaRegion, RegionInfo
+from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.data.tiers.disk import DiskTier
-from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.store.arena_store import ArenaStore
 from tierstore.store.node_store import NodeStoreCore, ShardEntry
 
 logger = logging.getLogger(__name__)
@@ -58,6 +63,19 @@ _RESTORE_TIMEOUT_S = 120.0
 # Pulling a job or replica buffer from its producer's object store: milliseconds on one
 # node, a transfer across nodes; a producer that died leaves the ref unresolvable.
 _BUFFER_TIMEOUT_S = 60.0
+# The arena's room beyond the CPU tier: extents granted to workers and not committed
+# yet, and extents pinned by loads after the Evictor dropped their shard.
+_GRANT_ROOM_MAX = 256 << 20
+
+
+def _open_arena(cfg: TierStoreConfig, node_id: str, disk_dir: Path | None) -> ArenaTier:
+    """The node's CPU tier in a new shared arena (a stale one of this name is replaced)."""
+    room = min(cfg.cpu_bytes_per_node, _GRANT_ROOM_MAX)
+    fallback = disk_dir.parent if disk_dir is not None else Path(tempfile.gettempdir())
+    region = ArenaRegion.create(
+        cfg.namespace, node_id, cfg.cpu_bytes_per_node + room, fallback_dir=fallback
+    )
+    return ArenaTier(region, cfg.cpu_bytes_per_node)
 
 
 class RayEvictorPort:
@@ -159,16 +177,18 @@ class NodeStore:
         if cfg.disk_bytes_per_node > 0 and cfg.disk_path:
             path, self._lock = _claim_disk_dir(Path(os.path.expanduser(cfg.disk_path)), node_id)
             disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync)
+        self._cpu = _open_arena(cfg, node_id, disk.root if disk is not None else None)
         self._me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
         self._apply_failures = 0
         self._core = NodeStoreCore(
             NodeId(node_id),
-            MemoryTier(cfg.cpu_bytes_per_node),
+            self._cpu,
             disk,
             RayEvictorPort(evictor),
             defer=self._defer,
             peers=RayPeers(cfg.namespace),
         )
+        self._arena = ArenaStore(self._core, self._cpu)
         recovered = self._core.register_inventory()
         if recovered:
             logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
@@ -244,11 +264,62 @@ class NodeStore:
             return
         self._core.accept_replicas(received, buffer)
 
+    # ---- the arena: same-node workers write and read it in place ---------------------
+    @_DATA
+    def arena_info(self) -> tuple[RegionInfo, int]:
+        return self._arena.info()
+
+    @_DATA
+    def arena_grant(
+        self, holder: str, epoch: str, sizes: list[int]
+    ) -> tuple[str, list[int | None]]:
+        return self._arena.grant(holder, epoch, sizes)
+
+    @_CONTROL
+    def arena_commit(
+        self,
+        holder: str,
+        epoch: str,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+    ) -> tuple[int, str]:
+        shards = [ShardEntry(*e) for e in entries]
+        try:
+            return self._arena.commit(holder, epoch, namespace, rank, world_size, shards)
+        except UnknownNodeError:  # as in store(): the Evictor restarted
+            self.reregister()
+            return self._arena.commit(holder, epoch, namespace, rank, world_size, shards)
+
+    @_DATA
+    def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:
+        self._arena.give_back(holder, epoch, offsets)
+
+    @_DATA
+    def arena_pin(
+        self, holder: str, epoch: str, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> list[tuple[int, ShardMeta]]:
+        return self._arena.pin(holder, epoch, namespace, rank, keys)
+
+    @_DATA
+    def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> None:
+        self._arena.unpin(holder, epoch, offsets)
+
+    def __ray_shutdown__(self) -> None:
+        """Graceful stop: the arena's file goes (a killed NodeStore's is replaced or
+        removed by the next one)."""
+        self._cpu.close()
+
     def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()
 
     def status(self) -> dict[str, object]:
-        return {**self._core.status(), "apply_failures": self._apply_failures}
+        return {
+            **self._core.status(),
+            "apply_failures": self._apply_failures,
+            "arena": self._cpu.status(),
+        }
 
     def disk_file_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> str:
         """Where a shard's file lies (tests corrupt it on purpose)."""

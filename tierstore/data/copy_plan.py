@@ -55,6 +55,30 @@ class DmaRuns:
         return len(self.nbytes)
 
 
+def window(plan: CopyPlan, lo: int, hi: int) -> CopyPlan:
+    """The part of ``plan`` whose buffer bytes lie in ``[lo, hi)``, rebased to ``lo``.
+
+    ``lo`` and ``hi`` must be chunk boundaries (no page straddles one), so a job's chunks
+    can each live in their own extent: each window is run against its extent.
+    """
+    if not 0 <= lo <= hi <= plan.nbytes:
+        raise ValueError(f"window [{lo}, {hi}) is outside the {plan.nbytes}-byte job")
+    batches = []
+    for b in plan.batches:
+        # rows k with lo <= offset + k * stride and offset + k * stride + page <= hi
+        k0 = max(0, -(-(lo - b.offset) // b.stride))
+        k1 = min(len(b.ids), (hi - b.page_bytes - b.offset) // b.stride + 1)
+        if k1 > k0:
+            offset = b.offset + k0 * b.stride - lo
+            batches.append(RowBatch(b.tensor_idx, b.page_bytes, b.ids[k0:k1], offset, b.stride))
+    zeros = tuple(
+        (max(o, lo) - lo, min(o + n, hi) - max(o, lo))
+        for o, n in plan.zeros
+        if o < hi and o + n > lo
+    )
+    return CopyPlan(tuple(batches), zeros, hi - lo)
+
+
 class CopyPlanner:
     """Builds :class:`CopyPlan` s for one worker's KV tensors (built once per worker)."""
 

@@ -29,12 +29,12 @@ import numpy as np
 
 from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
-from tierstore.data.tiers.base import ShardMeta, StoredShard
+from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
-from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.ports import EvictorPort, PeerPort
+from tierstore.store.replicas import Replicas, shard_id_of
 from tierstore.store.stats import NodeStoreStats, tier_status
 
 __all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardEntry"]
@@ -54,9 +54,9 @@ class ShardEntry(NamedTuple):
 
 
 @dataclass
-class NodeStoreCore:
+class NodeStoreCore(Replicas):
     node_id: NodeId
-    cpu: MemoryTier
+    cpu: Tier  # the node's shared arena in the actor (ArenaTier)
     disk: DiskTier | None
     evictor: EvictorPort
     # Runs actions later (the actor queues them to itself, after the store is
@@ -114,48 +114,62 @@ class NodeStoreCore:
                     f"shard at [{entry.offset}, {entry.offset + entry.nbytes}) lies outside "
                     f"the {buffer.nbytes}-byte job buffer"
                 )
-        offers = [
-            ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
-        ]
-        decision = self.evictor.admit(self.node_id, offers)
-        own = decision.actions.get(self.node_id, NodeActions())
-        # A shard of this batch that the Evictor demoted while admitting later ones (a
-        # prompt larger than the CPU tier) goes straight to disk: it never was in memory.
-        batch = {
-            ShardId(namespace, e.key, rank)
-            for e, accepted in zip(entries, decision.accepted, strict=True)
-            if accepted
-        }
-        to_disk = {s for s in map(_shard_id, own.demote) if s in batch}
-        # Room first; the write-through copies only once the shards are in memory.
-        demote = [s for s in own.demote if _shard_id(s) not in to_disk]
-        self.apply(NodeActions(drop=own.drop, demote=demote, promote=own.promote))
+        accepted, to_disk, persist = self.admit(namespace, rank, world_size, entries)
         kept = 0
         lost: list[ShardId] = []
-        for entry, accepted in zip(entries, decision.accepted, strict=True):
-            if not accepted:
+        for entry, ok in zip(entries, accepted, strict=True):
+            if not ok:
                 self._count(skipped_shards=1)
                 continue
             shard_id = ShardId(namespace, entry.key, rank)
-            data = np.array(buffer[entry.offset : entry.offset + entry.nbytes], copy=True)
+            data = buffer[entry.offset : entry.offset + entry.nbytes]
+            if not self.cpu.copies_on_put:  # it would keep a view of the worker's buffer
+                data = np.array(data, copy=True)
             if digest(data) != entry.digest:
                 self._count(corrupt_on_store=1)
                 logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
                 lost.append(shard_id)
                 continue
             meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
-            if not self._keep(shard_id, StoredShard(meta, data), shard_id in to_disk):
+            if not self.keep(shard_id, StoredShard(meta, data), shard_id in to_disk):
                 lost.append(shard_id)
                 continue
             kept += 1
             self._count(stored_shards=1, stored_bytes=entry.nbytes)
-        if lost:
-            self.evictor.forget_shards(self.node_id, lost)
-        if own.persist:
-            self.defer(NodeActions(persist=own.persist))
+        self.settle_store(lost, persist)
         return kept
 
-    def _keep(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
+    def admit(
+        self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
+    ) -> tuple[list[bool], set[ShardId], list[ShardId]]:
+        """The Evictor's admission of a batch, its room made now. Returns which shards are
+        accepted, those of them to write straight to disk (demoted on admission: a prompt
+        larger than the CPU tier), and the write-through to queue once they are held."""
+        offers = [
+            ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
+        ]
+        decision = self.evictor.admit(self.node_id, offers)
+        own = decision.actions.get(self.node_id, NodeActions())
+        batch = {
+            ShardId(namespace, e.key, rank)
+            for e, accepted in zip(entries, decision.accepted, strict=True)
+            if accepted
+        }
+        to_disk = {s for s in map(shard_id_of, own.demote) if s in batch}
+        # Room first; the write-through copies only once the shards are in memory.
+        demote = [s for s in own.demote if shard_id_of(s) not in to_disk]
+        self.apply(NodeActions(drop=own.drop, demote=demote, promote=own.promote))
+        return list(decision.accepted), to_disk, list(own.persist)
+
+    def settle_store(self, lost: list[ShardId], persist: list[ShardId]) -> None:
+        """After a store: forget what was admitted but not kept; queue the write-through."""
+        if lost:
+            self.evictor.forget_shards(self.node_id, lost)
+        if persist:
+            assert self.defer is not None
+            self.defer(NodeActions(persist=persist))
+
+    def keep(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
         """Hold an admitted shard in memory, or ``to_disk`` (demoted on admission): written
         in the store call, since the CPU tier has no room to hold it until later."""
         try:
@@ -177,11 +191,11 @@ class NodeStoreCore:
 
         Control thread; disk writes and reads happen here, outside every lock."""
         self.drop(actions.drop)
-        lost = [s for s in map(_shard_id, actions.demote) if not self._demote(s)]
+        lost = [s for s in map(shard_id_of, actions.demote) if not self._demote(s)]
         done, failed = [], []
-        for shard_id in map(_shard_id, actions.promote):
+        for shard_id in map(shard_id_of, actions.promote):
             (done if self._promote(shard_id) else failed).append(shard_id)
-        lost += [s for s in map(_shard_id, actions.persist) if not self._persist(s)]
+        lost += [s for s in map(shard_id_of, actions.persist) if not self._persist(s)]
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
         if done or failed:
@@ -190,7 +204,7 @@ class NodeStoreCore:
 
     def drop(self, shard_ids: list[ShardId]) -> int:
         freed = 0
-        for shard_id in map(_shard_id, shard_ids):
+        for shard_id in map(shard_id_of, shard_ids):
             freed += self.cpu.delete(shard_id)
             if self.disk is not None:
                 freed += self.disk.delete(shard_id)
@@ -234,9 +248,10 @@ class NodeStoreCore:
             return True
         if self.disk is None:
             return False
-        try:
-            shard = self.disk.get(shard_id)  # verifies length and checksum
-            self.cpu.put(shard_id, shard)  # the disk copy stays: a later demotion is free
+        disk = self.disk
+        try:  # read straight into the CPU tier's extent, verified there; the disk copy
+            # stays, so a later demotion is free
+            self.cpu.fill(shard_id, disk.meta(shard_id), lambda out: disk.read_into(shard_id, out))
         except ChunkNotFoundError:
             return False
         except ChunkCorruptError:
@@ -253,71 +268,6 @@ class NodeStoreCore:
         self._count(promoted_shards=1)
         return True
 
-    # ---- replicas ----------------------------------------------------------------------
-    def _push(self, pushes: list[tuple[ShardId, NodeId]]) -> None:
-        """Send each shard (verified first: a bad one is never spread) to its node."""
-        by_node: dict[NodeId, list[ShardId]] = {}
-        for shard_id, node in pushes:
-            by_node.setdefault(NodeId(node), []).append(_shard_id(shard_id))
-        for node, shard_ids in by_node.items():
-            sent: list[tuple[ShardId, StoredShard]] = []
-            failed: list[ShardId] = []
-            for shard_id in shard_ids:
-                shard = self._readable(shard_id)
-                if shard is None or self.peers is None:
-                    failed.append(shard_id)
-                else:
-                    sent.append((shard_id, shard))
-            if sent:
-                assert self.peers is not None
-                buffer = np.concatenate([s.data for _, s in sent])
-                self.peers.accept_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
-                self._count(replicas_sent=len(sent))
-            if failed:
-                self.evictor.replicated(node, [], failed)
-
-    def _readable(self, shard_id: ShardId) -> StoredShard | None:
-        """The memory or disk copy, if it passes its checksum; a bad one is forgotten."""
-        try:
-            if shard_id in self.cpu:
-                shard = self.cpu.get(shard_id)
-                if digest(shard.data) != shard.meta.digest:
-                    raise ChunkCorruptError(f"chunk {shard_id.key.hex()}: checksum mismatch")
-                return shard
-            if self.disk is not None and shard_id in self.disk:
-                return self.disk.get(shard_id)  # verifies
-        except ChunkNotFoundError:
-            return None  # dropped meanwhile
-        except ChunkCorruptError:
-            logger.warning("not replicating corrupt %s", shard_id.key.hex(), exc_info=True)
-            self._count(corrupt_before_hit=1)
-            self.drop([shard_id])
-            self.evictor.forget_shards(self.node_id, [shard_id])
-        return None
-
-    def accept_replicas(self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray) -> None:
-        """Keep replica shards another node pushed, verified; tell the Evictor which."""
-        done: list[ShardId] = []
-        failed: list[ShardId] = []
-        offset = 0
-        for shard_id, meta in shards:
-            shard_id = _shard_id(shard_id)
-            data = np.array(buffer[offset : offset + meta.nbytes], copy=True)
-            offset += meta.nbytes
-            if data.nbytes != meta.nbytes or digest(data) != meta.digest:
-                self._count(corrupt_on_store=1)
-                failed.append(shard_id)
-                continue
-            try:
-                self.cpu.put(shard_id, StoredShard(meta, data))
-            except TierFullError:
-                logger.warning("no CPU room for replica %s", shard_id.key.hex(), exc_info=True)
-                failed.append(shard_id)
-                continue
-            self._count(replicas_received=1)
-            done.append(shard_id)
-        self.evictor.replicated(self.node_id, done, failed)
-
     # ---- loads -------------------------------------------------------------------------
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
@@ -327,12 +277,13 @@ class NodeStoreCore:
         Data threads, several at once. Waits on no other call and holds no lock while
         it copies; a shard dropped meanwhile raises ChunkNotFoundError or, if its disk
         file vanished under the read, ChunkCorruptError: never other bytes."""
-        shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
-        out = np.empty(sum(s.meta.nbytes for s in shards), dtype=np.uint8)
-        offset = 0
-        for shard in shards:
-            out[offset : offset + shard.meta.nbytes] = shard.data
-            offset += shard.meta.nbytes
+        with self.cpu.reading():  # no extent read here is reused until the copy is done
+            shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
+            out = np.empty(sum(s.meta.nbytes for s in shards), dtype=np.uint8)
+            offset = 0
+            for shard in shards:
+                out[offset : offset + shard.meta.nbytes] = shard.data
+                offset += shard.meta.nbytes
         self._count(loaded_shards=len(shards), loaded_bytes=offset)
         return out, [s.meta for s in shards]
 
@@ -384,13 +335,7 @@ class NodeStoreCore:
 
     def corrupt_in_memory(self, shard_id: ShardId) -> None:
         """Flip one byte of a shard held in memory (tests prove it is never served)."""
-        self.cpu.get(_shard_id(shard_id)).data[0] ^= 0xFF
-
-
-def _shard_id(value: ShardId | tuple) -> ShardId:  # type: ignore[type-arg]
-    """Ray hands NamedTuples back as tuples when nested; restore the type."""
-    namespace, key, rank = value
-    return ShardId(Namespace(namespace), ChunkKey(key), int(rank))
+        self.cpu.get(shard_id_of(shard_id)).data[0] ^= 0xFF
 
 
 def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:

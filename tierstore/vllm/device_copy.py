@@ -26,18 +26,49 @@ import functools
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from tierstore.data.copy_plan import CopyPlanner, DmaRuns, fill_descriptors
+from tierstore.data.copy_plan import CopyPlan, CopyPlanner, DmaRuns, fill_descriptors
+from tierstore.data.extent_copy import Run, gather_into, scatter_from
 from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.host_copy import HostExecutor
 from tierstore.data.layout import ChunkLayout, JobPlan
 
-Scatter = Callable[[np.ndarray], None]
+
+class Scatter:
+    """A load's copies, prepared at submit; called with the job's bytes on a transfer
+    thread, it returns once they are in the destination blocks."""
+
+    def __init__(
+        self,
+        run: Callable[[np.ndarray], None],
+        plan: CopyPlan | None = None,
+        executor: HostExecutor | None = None,
+    ) -> None:
+        self._run = run
+        self._plan = plan
+        self._executor = executor
+
+    def __call__(self, data: np.ndarray) -> None:
+        self._run(data)
+
+    @property
+    def in_place(self) -> bool:
+        """Whether :meth:`from_extents` works (the host executor; CUDA: not yet)."""
+        return self._executor is not None
+
+    def from_extents(self, arena: np.ndarray, runs: Sequence[Run]) -> None:
+        """Scatter straight from the job's extents in the node's arena."""
+        if self._executor is None or self._plan is None:
+            raise NotImplementedError("this copier scatters from one buffer only")
+        scatter_from(self._executor, self._plan, arena, runs)
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 class Gathered:
@@ -88,6 +119,14 @@ class DeviceCopier(ABC):
         """Prepare and run a scatter at once (the CPU platform, benchmarks, tests)."""
         self.prepare_scatter(plan, block_ids)(data)
 
+    in_place = False  # whether gather_into works
+
+    def gather_into(
+        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
+    ) -> Gathered:
+        """Model-runner thread: copy the job's pages straight into its arena extents."""
+        raise NotImplementedError(f"{type(self).__name__} gathers into its own buffers only")
+
 
 class HostCopier(DeviceCopier):
     """KV cache in host memory (vLLM's CPU platform)."""
@@ -104,10 +143,22 @@ class HostCopier(DeviceCopier):
         self._executor.gather(copy_plan, out)
         return Gathered(out, None, time.perf_counter() - started)
 
+    in_place = True
+
+    def gather_into(
+        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
+    ) -> Gathered:
+        started = time.perf_counter()
+        gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
+        return Gathered(_EMPTY, None, time.perf_counter() - started)
+
     def prepare_scatter(
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False
     ) -> Scatter:
-        return functools.partial(self._executor.scatter, self.planner.build(plan, block_ids))
+        copy_plan = self.planner.build(plan, block_ids)
+        return Scatter(
+            functools.partial(self._executor.scatter, copy_plan), copy_plan, self._executor
+        )
 
 
 class CudaCopier(DeviceCopier):
@@ -152,8 +203,14 @@ class CudaCopier(DeviceCopier):
     ) -> Scatter:
         copy_plan = self.planner.build(plan, block_ids)
         stream = self._expedited_stream if expedited else self._load_stream
-        return functools.partial(
-            self._scatter, copy_plan.nbytes, self.planner.dma_runs(copy_plan), self._mark(), stream
+        return Scatter(
+            functools.partial(
+                self._scatter,
+                copy_plan.nbytes,
+                self.planner.dma_runs(copy_plan),
+                self._mark(),
+                stream,
+            )
         )
 
     def _scatter(

@@ -4,6 +4,10 @@ Runtime rules (vLLM's model-runner thread calls every method):
 - ``submit_*`` never wait on Ray. A store's pages are gathered at submit (on CUDA: a
   copy queued after the compute stream), so the source blocks are free once that copy
   ends; putting the bytes and the NodeStore's acknowledgement happen on a transfer thread.
+- on the CPU platform a store is gathered straight into extents of the node's shared
+  arena when the worker's pool of granted extents has them, and a same-node load
+  scatters straight from pinned extents (:mod:`tierstore.vllm.arena_jobs`); otherwise
+  (no arena, an empty pool, another node, CUDA for now) bytes go through the object store.
 - a store is reported finished only once the NodeStore holds it; a load only once its
   bytes were verified (length, slot coverage, xxh3) and are in the destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
@@ -40,15 +44,17 @@ from tierstore.errors import ChunkCorruptError, TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.store.ports import Reply
+from tierstore.vllm.arena_jobs import ArenaJobs, Filled
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+from tierstore.vllm.worker_arena import ArenaCalls, WorkerArena
 
 logger = logging.getLogger(__name__)
 
 _Loading = Reply[tuple[np.ndarray, list[ShardMeta]]]
 
 
-class NodeStoreCalls(Protocol):
+class NodeStoreCalls(ArenaCalls, Protocol):
     """One node's NodeStore (its client): each call is sent at once; ``result`` waits."""
 
     def store(
@@ -115,6 +121,13 @@ class TierStoreWorker(OffloadingWorker):
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
         self.relocated_loads = 0  # load jobs served (in part) by another copy
+        self.arena = ArenaJobs(
+            self._copier,
+            ports.local_node,
+            lambda: WorkerArena.connect(
+                lambda: ports.node_store(ports.local_node), transfer_timeout_s
+            ),
+        )
 
     # ---- stores ----------------------------------------------------------------------------
     @override
@@ -123,10 +136,14 @@ class TierStoreWorker(OffloadingWorker):
     ) -> bool:
         assert isinstance(dst_spec, StoreSpec), type(dst_spec)
         plan = self._plan(src_spec, len(dst_spec.keys), job_id)
-        gathered = self._copier.gather(plan, src_spec.block_ids)
+        # Straight into granted arena extents if the pool has them, else a job buffer.
+        filled = self.arena.gather(plan, src_spec.block_ids)
+        extents, gathered = filled or (None, self._copier.gather(plan, src_spec.block_ids))
         with self._lock:
             self._gathers[job_id] = gathered
-        self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered))
+        self._track(
+            job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered, extents)
+        )
         return True
 
     def _store(
@@ -135,10 +152,15 @@ class TierStoreWorker(OffloadingWorker):
         spec: StoreSpec,
         plan: JobPlan,
         gathered: Gathered,
+        extents: Filled | None,
     ) -> TransferResult:
         buffer = gathered()
         try:
-            self._put(spec, plan, buffer)
+            if extents is None:
+                self._put(spec, plan, buffer)
+            elif self.arena.commit(extents, spec, plan, self._rank, self._world_size) is None:
+                # The NodeStore restarted: its new arena does not hold these extents.
+                self._put(spec, plan, self.arena.job_bytes(extents, plan))
         except Exception:
             # A lost store costs a future recompute, never wrong output: report the job
             # done (vLLM has no failure path) and keep serving.
@@ -217,6 +239,8 @@ class TierStoreWorker(OffloadingWorker):
     def _load(
         self, job_id: int, spec: LoadSpec, scatter: Scatter, plan: JobPlan, started: float
     ) -> TransferResult:
+        if self.arena.load(spec, plan, scatter, self._rank):  # same node: from the arena
+            return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
         by_node = spec.keys_by_node(self._rank)
         calls = {node: self._call_load(spec, node, idx) for node, idx in by_node.items()}
         if len(calls) == 1:  # the common case: the buffer is already in job order
@@ -370,3 +394,4 @@ class TierStoreWorker(OffloadingWorker):
     @override
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        self.arena.close()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
-from tierstore.errors import TierFullError
+from tierstore.errors import ChunkNotFoundError, TierFullError
 from tierstore.keys import ShardId
 
 
@@ -39,6 +40,8 @@ class Tier(ABC):
     """
 
     name: str = "tier"  # in error messages
+    # Whether put() copies the shard's bytes (else it keeps the array it is given).
+    copies_on_put: bool = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -60,6 +63,28 @@ class Tier(ABC):
     @abstractmethod
     def put(self, shard_id: ShardId, shard: StoredShard) -> None:
         """Hold a shard. Raises TierFullError if it does not fit; replaces nothing."""
+
+    def fill(self, shard_id: ShardId, meta: ShardMeta, write: Callable[[np.ndarray], None]) -> None:
+        """Hold a shard whose bytes ``write`` puts into the buffer it is given (a disk
+        promotion reads into it). This default writes a fresh array, then :meth:`put`;
+        the arena tier hands ``write`` the shard's own extent instead."""
+        self._check_room(meta.nbytes)
+        data = np.empty(meta.nbytes, dtype=np.uint8)
+        write(data)
+        self.put(shard_id, StoredShard(meta, data))
+
+    def find(self, shard_id: ShardId) -> StoredShard | None:
+        """The shard, or None (one look-up: no drop can slip in between two)."""
+        try:
+            return self.get(shard_id)
+        except ChunkNotFoundError:
+            return None
+
+    def reading(self) -> AbstractContextManager[None]:
+        """While inside, bytes of shards :meth:`find` returned stay readable even if the
+        shard is deleted meanwhile (the arena defers reusing their extents). A tier that
+        never reuses memory needs nothing."""
+        return nullcontext()
 
     @abstractmethod
     def get(self, shard_id: ShardId) -> StoredShard:

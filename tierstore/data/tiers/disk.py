@@ -66,6 +66,7 @@ class DiskTier(Tier):
     inode stays readable), and a file is only ever replaced by the same shard's bytes."""
 
     name = "disk"
+    copies_on_put = True  # to a file
 
     def __init__(self, root: Path, capacity_bytes: int, fsync: bool = False) -> None:
         super().__init__(capacity_bytes)
@@ -133,22 +134,38 @@ class DiskTier(Tier):
 
     @override
     def get(self, shard_id: ShardId) -> StoredShard:
+        meta = self.meta(shard_id)
+        payload = np.empty(meta.nbytes, dtype=np.uint8)
+        return StoredShard(self.read_into(shard_id, payload), payload)
+
+    def meta(self, shard_id: ShardId) -> ShardMeta:
+        entry = self._index.get(shard_id)
+        if entry is None:
+            raise ChunkNotFoundError(f"shard not on disk: {shard_id!r}")
+        return entry[1]
+
+    def read_into(self, shard_id: ShardId, out: np.ndarray) -> ShardMeta:
+        """Read the shard's payload straight into ``out`` (uint8, its length; e.g. an arena
+        extent), then verify length and checksum there. A bad file is removed and raises
+        ChunkCorruptError; ``out`` then holds garbage, which the caller must not keep."""
         entry = self._index.get(shard_id)
         if entry is None:
             raise ChunkNotFoundError(f"shard not on disk: {shard_id!r}")
         path, meta = entry
+        if out.nbytes != meta.nbytes:
+            raise ValueError(f"{out.nbytes}-byte buffer for a {meta.nbytes}-byte shard {path}")
         try:
-            header, payload = _read_file(path, meta.nbytes)
+            header = _read_file_into(path, out)
         except (OSError, ValueError) as exc:
             self._discard(shard_id, entry)
             raise ChunkCorruptError(f"unreadable chunk file {path}: {exc}") from exc
         if header.get("length") != meta.nbytes:
             self._discard(shard_id, entry)
             raise ChunkCorruptError(f"chunk file {path}: header changed since it was written")
-        if digest(payload) != meta.digest:
+        if digest(out) != meta.digest:
             self._discard(shard_id, entry)
             raise ChunkCorruptError(f"chunk file {path}: checksum mismatch")
-        return StoredShard(meta, payload)
+        return meta
 
     @override
     def delete(self, shard_id: ShardId) -> int:
@@ -310,14 +327,14 @@ def _read_header(path: Path) -> tuple[dict[str, Any], int]:
         return _read_header_from(f)
 
 
-def _read_file(path: Path, nbytes: int) -> tuple[dict[str, Any], np.ndarray]:
-    """Header and payload; the payload is read straight into a writable array we own."""
+def _read_file_into(path: Path, out: np.ndarray) -> dict[str, Any]:
+    """The header; the payload is read straight into ``out`` (no intermediate buffer)."""
+    nbytes = out.nbytes
     with open(path, "rb") as f:
         header, _ = _read_header_from(f)
-        payload = np.empty(nbytes, dtype=np.uint8)
-        got = f.readinto(memoryview(payload))
+        got = f.readinto(memoryview(out).cast("B"))
         if got != nbytes or f.read(1):
             raise ValueError(
                 f"payload is {got if got != nbytes else 'more than'} of {nbytes} bytes"
             )
-    return header, payload
+    return header

@@ -1,0 +1,109 @@
+"""The NodeStore's arena behind the real actor: a killed worker's grants come back, and a
+restarted NodeStore has a new, empty arena (misses, never stale bytes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import ray
+from tierstore.actors.bootstrap import find_node_store
+from tierstore.actors.clients import NodeStoreClient
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from tests.support import poll, wait_for
+from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
+from tierstore.config import TierStoreConfig
+from tierstore.control.index import LookupState
+from tierstore.data.arena.holders import HolderLock
+from tierstore.errors import ClusterUnavailableError
+from tierstore.keys import NodeId
+from tierstore.vllm.transfer_specs import StoreSpec
+
+
+def _node_store(cfg: TierStoreConfig) -> NodeStoreClient:
+    node = NodeId(ray.get_runtime_context().get_node_id())
+    return NodeStoreClient(find_node_store(cfg.namespace, node), node)
+
+
+def _holder_process(arena_path: str) -> tuple[subprocess.Popen[str], str]:
+    """A worker process of the node: holds its lock until killed."""
+    code = (
+        "import time\n"
+        "from tierstore.data.arena.holders import HolderLock\n"
+        f"lock = HolderLock({arena_path!r})\n"
+        "print(lock.holder, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def test_extents_granted_to_a_killed_worker_are_reclaimed(cfg: TierStoreConfig) -> None:
+    _worker(cfg, _kv())  # starts the NodeStore
+    store = _node_store(cfg)
+    region, _ = store.arena_info().result()
+    free = store.status().result()["arena"]["arena_free_bytes"]
+    proc, holder = _holder_process(region.path)
+    try:
+        epoch, offsets = store.arena_grant(holder, region.epoch, [4096] * 4).result()
+        assert epoch == region.epoch and None not in offsets
+        arena = store.status().result()["arena"]
+        assert arena["granted_bytes"] == 4 * 4096
+        assert arena["arena_free_bytes"] == free - 4 * 4096
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # between grant and commit
+        proc.wait()
+    me = HolderLock(region.path)
+    store.arena_grant(me.holder, region.epoch, []).result()  # any grant sweeps the dead
+    me.close()
+    arena = store.status().result()["arena"]
+    assert arena["granted_bytes"] == 0 and arena["arena_free_bytes"] == free
+
+
+def _replaced(cfg: TierStoreConfig, node: str) -> bool:
+    try:
+        ray.get(find_node_store(cfg.namespace, node).status.remote(), timeout=5)
+        return True
+    except (ClusterUnavailableError, ray.exceptions.RayError):
+        return False
+
+
+def test_a_restarted_node_store_has_an_empty_arena_and_workers_remap(
+    cfg: TierStoreConfig,
+) -> None:
+    worker = _worker(cfg, _kv())
+    src = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])
+    for job in (1, 2, 3):  # the first maps the arena; then stores go through it
+        keys = _keys(2, 0, start=10 * job)
+        worker.submit_store(job, src, StoreSpec(NS, tuple(keys)))
+        assert _drain(worker, 1) == [job]
+    assert worker.arena.arena_stores >= 1
+    old_epoch = _node_store(cfg).arena_info().result()[0].epoch
+    node = ray.get_runtime_context().get_node_id()
+    ray.kill(find_node_store(cfg.namespace, node))
+    wait_for(lambda: _replaced(cfg, node), "a new NodeStore on the node", timeout_s=30)
+    assert _lookup(cfg, keys) == [LookupState.MISS] * 2
+    region, _ = _node_store(cfg).arena_info().result()
+    assert region.epoch != old_epoch
+    # The worker notices the new arena, maps it and stores through it again.
+    for job in range(4, 12):
+        keys = _keys(2, 0, start=10 * job)
+        worker.submit_store(job, src, StoreSpec(NS, tuple(keys)))
+        assert _drain(worker, 1) == [job]
+        if worker.arena._arena is not None and worker.arena._arena.epoch == region.epoch:
+            break
+    assert poll(lambda: worker.arena._arena is not None and worker.arena._arena.epoch, 10) == (
+        region.epoch
+    )
+    stores = worker.arena.arena_stores
+    keys = _keys(2, 0, start=500)
+    poll(lambda: worker.arena._arena.pool.held_bytes > 0, 10)
+    worker.submit_store(99, src, StoreSpec(NS, tuple(keys)))
+    assert _drain(worker, 1) == [99]
+    assert worker.arena.arena_stores == stores + 1
+    _load_spec(cfg, keys)  # HITs in the new arena
+    worker.shutdown()

@@ -1,0 +1,38 @@
+"""A worker's extent pool: all-or-nothing takes, refills that adapt to the jobs seen and
+stay within the budget, extents of a replaced arena never used."""
+
+from __future__ import annotations
+
+from tierstore.data.arena.pool import ExtentPool
+
+
+def test_take_is_all_or_nothing_and_refills_to_twice_the_largest_job() -> None:
+    pool = ExtentPool(budget_bytes=10_000, epoch="a")
+    assert pool.take([100, 100, 300]) is None and pool.misses == 1
+    wanted = pool.wanted()
+    assert sorted(wanted) == [100] * 4 + [300] * 2
+    assert pool.wanted() == []  # asked already
+    assert pool.add(wanted, list(range(0, 600, 100)), "a") == []
+    got = pool.take([100, 300, 100])
+    assert got is not None and len(set(got)) == 3
+    assert sorted(pool.wanted()) == [100, 100, 300]
+
+
+def test_refills_stay_within_the_budget() -> None:
+    pool = ExtentPool(budget_bytes=1000, epoch="a")
+    pool.take([400] * 3)
+    wanted = pool.wanted()
+    assert wanted == [400, 400]
+    pool.add(wanted, [None, 0], "a")  # the arena was short of room for one
+    assert pool.held_bytes == 400
+    assert pool.wanted() == [400]  # the refused one is asked for again
+    assert pool.wanted() == []  # 400 held, 400 asked: another would pass the budget
+
+
+def test_extents_of_a_replaced_arena_are_given_back_not_used() -> None:
+    pool = ExtentPool(budget_bytes=1000, epoch="a")
+    pool.take([100])
+    wanted = pool.wanted()
+    assert pool.reset("b") == []
+    assert pool.add(wanted, [0, 100], "a") == [0, 100]
+    assert pool.take([100]) is None

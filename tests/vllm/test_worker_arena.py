@@ -1,0 +1,92 @@
+"""Stores and loads through the node's shared arena: real Ray, real NodeStore, real
+shared mapping. One copy each way: gathered into granted extents and adopted by the
+NodeStore; loaded by pinning extents and scattering straight from them."""
+
+from __future__ import annotations
+
+import ray
+import torch
+from tierstore.actors.bootstrap import find_node_store
+from tierstore.actors.clients import NodeStoreClient
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+from tests.support import poll
+from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _worker
+from tierstore.config import TierStoreConfig
+from tierstore.data.arena.holders import HolderLock
+from tierstore.keys import NodeId
+from tierstore.vllm.transfer_specs import StoreSpec
+from tierstore.vllm.worker import TierStoreWorker
+
+SRC = GPULoadStoreSpec([1, 2, 3, 4, 5], group_sizes=[4, 1], block_indices=[0, 0])
+DST = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
+
+
+def _store(worker: TierStoreWorker, job: int, start: int) -> list:
+    keys = _keys(2, 0, start) + _keys(1, 1, start)
+    assert worker.submit_store(job, SRC, StoreSpec(NS, tuple(keys)))
+    assert _drain(worker, 1) == [job]
+    return keys
+
+
+def _pool_ready(worker: TierStoreWorker) -> None:
+    """The first store maps the arena and asks for extents in the background."""
+    arena = poll(lambda: worker.arena._arena, 20)
+    assert arena is not None, "the worker never mapped the node's arena"
+    job_bytes = 2 * 2 * 96 + 2 * 200
+    assert poll(lambda: arena.pool.held_bytes >= 2 * job_bytes, 20), "no extents granted"
+
+
+def _node_store() -> NodeStoreClient:
+    node = NodeId(ray.get_runtime_context().get_node_id())
+    return NodeStoreClient(find_node_store("tierstore-actor-tests", node), node)
+
+
+def test_a_store_and_a_load_go_through_the_arena_byte_exact(cfg: TierStoreConfig) -> None:
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    worker = _worker(cfg, kv)
+    _store(worker, 1, 0)  # maps the arena; this one may take the object store
+    _pool_ready(worker)
+    keys = _store(worker, 2, 10)
+    assert worker.arena.arena_stores >= 1
+    worker.submit_load(3, _load_spec(cfg, keys), DST)
+    assert _drain(worker, 1) == [3]
+    assert worker.arena.arena_loads == 1
+    for s, d in zip([1, 2, 3, 4], [20, 21, 22, 23], strict=True):
+        assert torch.equal(kv[0][d, :96], original[0][s, :96])
+    assert torch.equal(kv[1][24, :200], original[1][5, :200])
+    assert torch.equal(kv[0][20, 96:], original[0][20, 96:])  # padding untouched
+    arena = _node_store().status().result()["arena"]
+    assert arena["pinned_extents"] == 0 or poll(
+        lambda: _node_store().status().result()["arena"]["pinned_extents"] == 0, 10
+    )
+    worker.shutdown()
+    # Shut down: what its pool held went back to the arena.
+    status = poll(
+        lambda: _node_store().status().result(),
+        10,
+        done=lambda s: s["arena"]["granted_bytes"] == 0,
+    )
+    assert status["arena"]["granted_bytes"] == 0
+
+
+def test_a_full_arena_skips_and_counts_stores_without_blocking(cfg: TierStoreConfig) -> None:
+    kv = _kv()
+    worker = _worker(cfg, kv)  # starts the NodeStore; the worker maps no arena before a store
+    store = _node_store()
+    region, _ = store.arena_info().result()
+    hog = HolderLock(region.path)  # another worker of the node takes every free extent
+    try:
+        while None not in store.arena_grant(hog.holder, region.epoch, [4096] * 64).result()[1]:
+            pass
+        store.arena_grant(hog.holder, region.epoch, [64] * 64).result()
+        before = store.status().result()["stats"]["skipped_shards"]
+        for job in range(3):
+            _store(worker, 10 + job, 100 + 10 * job)  # each reported done
+        stats = store.status().result()["stats"]
+        assert stats["skipped_shards"] >= before + 3
+        assert worker.failed_stores == 0
+    finally:
+        hog.close()
+    worker.shutdown()

@@ -1,0 +1,95 @@
+"""A worker's pool of extents its NodeStore granted ahead of time, by size.
+
+A store takes its extents from here at submit, with no round trip; the pool then asks
+for more in the background (:meth:`wanted`, answered by :meth:`add`). How many to keep
+of a size adapts to the jobs seen: twice the most one job has taken, within a byte
+budget, so a worker holds little of the arena while idle and enough to never wait while
+busy. A take that the pool cannot serve whole takes nothing: the caller falls back or
+skips the store and counts it.
+
+Thread-safe: ``take`` runs on the model-runner thread, ``add``/``wanted`` on a
+transfer thread; one lock, held for microseconds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+
+
+class ExtentPool:
+    def __init__(self, budget_bytes: int, epoch: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.epoch = epoch  # the arena these offsets belong to
+        self._free: dict[int, list[int]] = {}  # size -> offsets
+        self._asked: Counter[int] = Counter()  # size -> extents asked for, not yet added
+        self._target: Counter[int] = Counter()
+        self._lock = threading.Lock()
+        self.misses = 0  # takes the pool could not serve whole
+
+    def expect(self, sizes: Sequence[int]) -> None:
+        """Jobs like this one are coming: keep extents for two of them."""
+        with self._lock:
+            self._expect(Counter(sizes))
+
+    def _expect(self, need: Counter[int]) -> None:
+        for size, n in need.items():
+            self._target[size] = max(self._target[size], 2 * n)
+
+    def take(self, sizes: Sequence[int]) -> list[int] | None:
+        """One extent per size (in order), or None and nothing taken."""
+        need = Counter(sizes)
+        with self._lock:
+            self._expect(need)
+            if any(len(self._free.get(size, ())) < n for size, n in need.items()):
+                self.misses += 1
+                return None
+            return [self._free[size].pop() for size in sizes]
+
+    def wanted(self) -> list[int]:
+        """Sizes to ask the NodeStore for now (marked asked until :meth:`add`)."""
+        with self._lock:
+            held = sum(s * len(v) for s, v in self._free.items())
+            held += sum(s * n for s, n in self._asked.items())
+            out: list[int] = []
+            for size, target in sorted(self._target.items()):
+                have = len(self._free.get(size, ())) + self._asked[size]
+                for _ in range(max(0, target - have)):
+                    if held + size > self.budget_bytes:
+                        break
+                    out.append(size)
+                    held += size
+            self._asked.update(out)
+            return out
+
+    def add(self, sizes: Sequence[int], offsets: Sequence[int | None], epoch: str) -> list[int]:
+        """The NodeStore's answer to :meth:`wanted`. Returns offsets to give back (granted
+        in an arena this pool no longer uses)."""
+        with self._lock:
+            for size in sizes:
+                self._asked[size] -= 1
+            self._asked = +self._asked  # drop non-positive counts
+            if epoch != self.epoch:
+                return [o for o in offsets if o is not None]
+            for size, offset in zip(sizes, offsets, strict=True):
+                if offset is not None:
+                    self._free.setdefault(size, []).append(offset)
+            return []
+
+    def reset(self, epoch: str) -> list[int]:
+        """A new arena (the NodeStore restarted): forget the old one's extents."""
+        with self._lock:
+            old = [o for offsets in self._free.values() for o in offsets]
+            self._free.clear()
+            self.epoch = epoch
+            return old
+
+    def drain(self) -> list[int]:
+        """Every extent held (to give back at shutdown)."""
+        return self.reset(self.epoch)
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(s * len(v) for s, v in self._free.items())

@@ -1,0 +1,138 @@
+"""The NodeStore's arena calls: grants to the node's workers, commits, pins for loads.
+
+The arena tier (:class:`~tierstore.data.tiers.arena.ArenaTier`) holds the bytes; this
+adds what needs the rest of the NodeStore: the Evictor's admission of committed shards,
+promotion from disk before a pin, stats. Every call names the arena ``epoch`` the worker
+mapped: a worker still mapping a replaced arena (its NodeStore restarted) is told the
+current one and granted, adopted or pinned nothing.
+
+Called on the NodeStore's threads; the tier has its own lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from tierstore.data.arena.region import RegionInfo
+from tierstore.data.checksum import digest
+from tierstore.data.tiers.arena import ArenaTier
+from tierstore.data.tiers.base import ShardMeta, StoredShard
+from tierstore.errors import TierStoreError
+from tierstore.keys import ChunkKey, Namespace, ShardId
+
+if TYPE_CHECKING:
+    from tierstore.store.node_store import NodeStoreCore, ShardEntry
+
+logger = logging.getLogger(__name__)
+
+
+class StaleArenaError(TierStoreError):
+    """The caller mapped an arena this NodeStore no longer has."""
+
+
+class ArenaStore:
+    def __init__(self, core: NodeStoreCore, tier: ArenaTier) -> None:
+        self._core = core
+        self.tier = tier
+
+    @property
+    def epoch(self) -> str:
+        return self.tier.info.epoch
+
+    def info(self) -> tuple[RegionInfo, int]:
+        """The arena, and its room beyond the CPU tier's capacity (for workers' pools)."""
+        return self.tier.info, self.tier.region.nbytes - self.tier.capacity_bytes
+
+    def grant(self, holder: str, epoch: str, sizes: list[int]) -> tuple[str, list[int | None]]:
+        """Extents for ``holder`` (None where the arena is full), and the current epoch."""
+        if epoch != self.epoch:
+            return self.epoch, [None] * len(sizes)
+        self.tier.reclaim_dead()
+        return self.epoch, self.tier.grant(holder, sizes)
+
+    def commit(
+        self,
+        holder: str,
+        epoch: str,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+    ) -> tuple[int, str]:
+        """Adopt what the Evictor admits of ``holder``'s filled extents (verified, no
+        copy); the rest go back to the arena. Returns (shards held, current epoch)."""
+        if epoch != self.epoch:
+            return 0, self.epoch
+        core = self._core
+        accepted, to_disk, persist = core.admit(namespace, rank, world_size, entries)
+        kept = 0
+        lost: list[ShardId] = []
+        for entry, ok in zip(entries, accepted, strict=True):
+            shard_id = ShardId(namespace, entry.key, rank)
+            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
+            if not ok:
+                core._count(skipped_shards=1)
+                self.tier.give_back(holder, [entry.offset])
+                continue
+            if shard_id in to_disk:  # demoted on admission: straight from the extent to disk
+                held = self._to_disk(holder, shard_id, meta, entry.offset)
+            else:
+                held = self._adopt(holder, shard_id, meta, entry.offset)
+            if not held:
+                lost.append(shard_id)
+                continue
+            kept += 1
+            core._count(stored_shards=1, stored_bytes=entry.nbytes)
+        core.settle_store(lost, persist)
+        return kept, self.epoch
+
+    def _to_disk(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
+        """Write a committed extent to the disk tier (verified first), then free it."""
+        view = self.tier.region.view(offset, meta.nbytes)
+        try:
+            if digest(view) != meta.digest:
+                self._core._count(corrupt_on_store=1)
+                return False
+            return self._core.keep(shard_id, StoredShard(meta, view), to_disk=True)
+        finally:
+            self.tier.give_back(holder, [offset])
+
+    def _adopt(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
+        corrupt = self.tier.corrupt_adoptions
+        try:
+            held = self.tier.adopt(holder, shard_id, meta, offset)
+        except ValueError:
+            logger.warning("bad commit from %s", holder, exc_info=True)
+            return False
+        if self.tier.corrupt_adoptions != corrupt:
+            self._core._count(corrupt_on_store=1)
+            logger.error("shard %s arrived corrupt; not stored", shard_id.key.hex())
+        elif not held:
+            self._core._count(skipped_shards=1)
+        return held
+
+    def give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:
+        if epoch == self.epoch:
+            self.tier.give_back(holder, offsets)
+
+    def pin(
+        self, holder: str, epoch: str, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> list[tuple[int, ShardMeta]]:
+        """Each shard's extent and metadata, pinned for ``holder``. Raises
+        ChunkNotFoundError if one is not in memory (only on disk: the worker loads it
+        through the object store, as the Evictor has not promoted it)."""
+        if epoch != self.epoch:
+            raise StaleArenaError(f"arena {epoch} was replaced by {self.epoch}")
+        pins = self.tier.pin(holder, [ShardId(namespace, key, rank) for key in keys])
+        self._core._count(
+            loaded_shards=len(pins), loaded_bytes=sum(meta.nbytes for _, meta in pins)
+        )
+        return pins
+
+    def unpin(self, holder: str, epoch: str, offsets: list[int]) -> None:
+        if epoch == self.epoch:
+            self.tier.unpin(holder, offsets)
+
+    def reclaim_dead(self) -> int:
+        return self.tier.reclaim_dead()

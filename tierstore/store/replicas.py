@@ -1,0 +1,105 @@
+"""Hot-chunk replicas between NodeStores: pushing verified shards to a node that keeps
+loading them, and keeping the ones another node pushed here.
+
+A part of :class:`~tierstore.store.node_store.NodeStoreCore` (a mixin: the core's tiers,
+Evictor port and counters), kept apart so each module has one job. Control thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from tierstore.data.checksum import digest
+from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
+from tierstore.data.tiers.disk import DiskTier
+from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.store.ports import EvictorPort, PeerPort
+
+logger = logging.getLogger(__name__)
+
+
+def shard_id_of(value: ShardId | tuple) -> ShardId:  # type: ignore[type-arg]
+    """Ray hands NamedTuples back as tuples when nested; restore the type."""
+    namespace, key, rank = value
+    return ShardId(Namespace(namespace), ChunkKey(key), int(rank))
+
+
+class Replicas:
+    node_id: NodeId
+    cpu: Tier
+    disk: DiskTier | None
+    evictor: EvictorPort
+    peers: PeerPort | None
+    _count: Callable[..., None]
+    drop: Callable[[list[ShardId]], int]
+
+    # ---- replicas ----------------------------------------------------------------------
+    def _push(self, pushes: list[tuple[ShardId, NodeId]]) -> None:
+        """Send each shard (verified first: a bad one is never spread) to its node."""
+        by_node: dict[NodeId, list[ShardId]] = {}
+        for shard_id, node in pushes:
+            by_node.setdefault(NodeId(node), []).append(shard_id_of(shard_id))
+        for node, shard_ids in by_node.items():
+            sent: list[tuple[ShardId, StoredShard]] = []
+            failed: list[ShardId] = []
+            for shard_id in shard_ids:
+                shard = self._readable(shard_id)
+                if shard is None or self.peers is None:
+                    failed.append(shard_id)
+                else:
+                    sent.append((shard_id, shard))
+            if sent:
+                assert self.peers is not None
+                buffer = np.concatenate([s.data for _, s in sent])
+                self.peers.accept_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
+                self._count(replicas_sent=len(sent))
+            if failed:
+                self.evictor.replicated(node, [], failed)
+
+    def _readable(self, shard_id: ShardId) -> StoredShard | None:
+        """The memory or disk copy, if it passes its checksum; a bad one is forgotten."""
+        try:
+            if shard_id in self.cpu:
+                shard = self.cpu.get(shard_id)
+                if digest(shard.data) != shard.meta.digest:
+                    raise ChunkCorruptError(f"chunk {shard_id.key.hex()}: checksum mismatch")
+                return shard
+            if self.disk is not None and shard_id in self.disk:
+                return self.disk.get(shard_id)  # verifies
+        except ChunkNotFoundError:
+            return None  # dropped meanwhile
+        except ChunkCorruptError:
+            logger.warning("not replicating corrupt %s", shard_id.key.hex(), exc_info=True)
+            self._count(corrupt_before_hit=1)
+            self.drop([shard_id])
+            self.evictor.forget_shards(self.node_id, [shard_id])
+        return None
+
+    def accept_replicas(self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray) -> None:
+        """Keep replica shards another node pushed, verified; tell the Evictor which."""
+        done: list[ShardId] = []
+        failed: list[ShardId] = []
+        offset = 0
+        for shard_id, meta in shards:
+            shard_id = shard_id_of(shard_id)
+            data = buffer[offset : offset + meta.nbytes]
+            if not self.cpu.copies_on_put:
+                data = np.array(data, copy=True)
+            offset += meta.nbytes
+            if data.nbytes != meta.nbytes or digest(data) != meta.digest:
+                self._count(corrupt_on_store=1)
+                failed.append(shard_id)
+                continue
+            try:
+                self.cpu.put(shard_id, StoredShard(meta, data))
+            except TierFullError:
+                logger.warning("no CPU room for replica %s", shard_id.key.hex(), exc_info=True)
+                failed.append(shard_id)
+                continue
+            self._count(replicas_received=1)
+            done.append(shard_id)
+        self.evictor.replicated(self.node_id, done, failed)

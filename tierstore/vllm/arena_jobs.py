@@ -1,0 +1,164 @@
+"""Stores and same-node loads through the node's arena: one copy each way.
+
+A store gathers its pages straight into extents the worker was granted ahead of time
+(at submit, on the model-runner thread, no round trip), checksums them on a transfer
+thread and commits them in one call; the NodeStore verifies and adopts them, no copy.
+A same-node load pins its shards' extents, verifies each digest in the mapping and
+scatters straight from it, then unpins (one-way).
+
+Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
+on another node or not in memory, a copier that cannot copy in place), the caller
+takes the object-store path: nothing waits for a grant. A digest mismatch in the
+arena also falls back, so the NodeStore's own check reports the corrupt shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from tierstore.data.checksum import digest
+from tierstore.data.extent_copy import runs_of
+from tierstore.data.layout import JobPlan
+from tierstore.keys import NodeId
+from tierstore.store.node_store import ShardEntry
+from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
+from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+from tierstore.vllm.worker_arena import WorkerArena
+
+logger = logging.getLogger(__name__)
+
+Filled = tuple[WorkerArena, list[int]]  # the arena a store gathered into, its extents
+
+
+class ArenaJobs:
+    """One worker's arena path. ``connect`` maps the arena (a transfer-pool call)."""
+
+    def __init__(
+        self, copier: DeviceCopier, local_node: NodeId, connect: Callable[[], WorkerArena | None]
+    ) -> None:
+        self._copier = copier
+        self._local_node = local_node
+        self._connect = connect
+        self._arena: WorkerArena | None = None
+        self._connecting = threading.Lock()
+        self._tried = False
+        self._first_sizes: list[int] = []  # of the job that asked for the arena first
+        self.arena_stores = 0  # store jobs gathered into the arena
+        self.pool_misses = 0  # store jobs that found no granted extents (object store)
+        self.arena_loads = 0
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _ready(self, sizes: list[int] | None = None) -> WorkerArena | None:
+        """Any thread: the arena if mapped; else start mapping it (once, in the
+        background), its pool filled for jobs of ``sizes``."""
+        arena = self._arena
+        if arena is not None and arena.stale:
+            self._drop(arena)
+            arena = None
+        if arena is None and not self._tried and self._copier.in_place:
+            if self._connecting.acquire(blocking=False):
+                self._first_sizes = sizes or []
+                threading.Thread(target=self._map, name="tierstore-arena", daemon=True).start()
+        return arena
+
+    def _map(self) -> None:
+        try:
+            arena = self._connect()
+            self._tried = arena is None  # no arena on this node: do not ask again
+            if arena is not None and self._first_sizes:
+                arena.expect(self._first_sizes)
+            self._arena = arena
+        except Exception:
+            logger.warning("mapping the node's arena failed", exc_info=True)
+        finally:
+            self._connecting.release()
+
+    def _drop(self, arena: WorkerArena) -> None:
+        """The NodeStore restarted (a new arena): map the new one next time."""
+        if self._arena is arena:
+            self._arena = None
+            threading.Thread(target=arena.close, name="tierstore-arena-close", daemon=True).start()
+
+    # ---- stores ----------------------------------------------------------------------------
+    def gather(self, plan: JobPlan, block_ids: np.ndarray) -> tuple[Filled, Gathered] | None:
+        """Model-runner thread: the job gathered into granted extents, or None."""
+        sizes = [c.nbytes for c in plan.chunks]
+        arena = self._ready(sizes)
+        if arena is None:
+            return None
+        offsets = arena.take(sizes)
+        if offsets is None:
+            self.pool_misses += 1
+            return None
+        try:
+            gathered = self._copier.gather_into(
+                plan, block_ids, arena.array, runs_of(plan.chunks, offsets)
+            )
+        except BaseException:
+            arena.give_back(offsets)
+            raise
+        self.arena_stores += 1
+        return (arena, offsets), gathered
+
+    @staticmethod
+    def commit(
+        filled: Filled, spec: StoreSpec, plan: JobPlan, rank: int, world_size: int
+    ) -> int | None:
+        """Transfer thread: checksum the extents and hand them to the NodeStore; None if
+        its arena is a new one (it restarted): then send :meth:`job_bytes` instead."""
+        arena, offsets = filled
+        parents = spec.parents or (None,) * len(spec.keys)
+        view = arena.array
+        entries = [
+            ShardEntry(key, at, c.nbytes, digest(view[at : at + c.nbytes]), c.slot_mask, parent)
+            for key, c, at, parent in zip(spec.keys, plan.chunks, offsets, parents, strict=True)
+        ]
+        return arena.commit(spec.namespace, rank, world_size, entries)
+
+    @staticmethod
+    def job_bytes(filled: Filled, plan: JobPlan) -> np.ndarray:
+        """The job's bytes as one buffer, copied out of its extents (in job order): for
+        the object store, when the arena they were gathered into is gone."""
+        arena, offsets = filled
+        pairs = zip(offsets, plan.chunks, strict=True)
+        views = [arena.array[at : at + c.nbytes] for at, c in pairs]
+        return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
+
+    # ---- loads -----------------------------------------------------------------------------
+    def load(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter, rank: int) -> bool:
+        """Transfer thread: serve the load from the local arena; False if this path cannot
+        (the caller then loads through the object store)."""
+        arena = self._ready()
+        if arena is None or not scatter.in_place:
+            return False
+        if set(spec.keys_by_node(rank)) != {self._local_node}:
+            return False
+        try:
+            pins = arena.pin(spec.namespace, rank, list(spec.keys))
+        except Exception as exc:  # not in memory and no room to promote; a new arena; ...
+            logger.debug("arena pin failed (%s); loading through the object store", exc)
+            return False
+        offsets = [at for at, _ in pins]
+        try:
+            view = arena.array
+            for chunk, (at, meta) in zip(plan.chunks, pins, strict=True):
+                if (
+                    meta.nbytes != chunk.nbytes
+                    or chunk.slot_mask & ~meta.slot_mask
+                    or digest(view[at : at + meta.nbytes]) != meta.digest
+                ):
+                    return False  # the NodeStore's load checks again, and reports it
+            scatter.from_extents(view, runs_of(plan.chunks, offsets))
+        finally:
+            arena.unpin(offsets)
+        self.arena_loads += 1
+        return True
+
+    def close(self) -> None:
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()

@@ -1,0 +1,211 @@
+"""A worker's side of its node's arena: the mapping, its proof of life, its extent pool.
+
+Stores gather straight into extents the NodeStore granted ahead of time and commit them
+in one call; same-node loads pin extents and scatter straight out of the mapping. Set
+up lazily on a transfer thread (:meth:`WorkerArena.connect`); until then, and whenever
+the arena cannot be used (no arena on the node, a mapping that fails, a pool that is
+empty), the worker takes the object-store path, so nothing ever waits for a grant.
+
+Threads: ``take`` runs on the model-runner thread and never blocks; everything else on
+transfer threads; pool refills on this class's own thread, which logs and survives its
+errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+
+from tierstore.data.arena.holders import HolderLock
+from tierstore.data.arena.pool import ExtentPool
+from tierstore.data.arena.region import ArenaMapping, RegionInfo
+from tierstore.data.tiers.base import ShardMeta
+from tierstore.keys import ChunkKey, Namespace
+from tierstore.store.node_store import ShardEntry
+from tierstore.store.ports import Reply
+
+logger = logging.getLogger(__name__)
+
+# A worker's pool holds at most 1/_POOL_SHARE of the arena's room for grants.
+_POOL_SHARE = 2
+
+
+class ArenaCalls(Protocol):
+    """The local NodeStore's arena calls (its client implements them)."""
+
+    def arena_info(self) -> Reply[tuple[RegionInfo | None, int]]: ...
+
+    def arena_grant(
+        self, holder: str, epoch: str, sizes: list[int]
+    ) -> Reply[tuple[str, list[int | None]]]: ...
+
+    def arena_commit(
+        self,
+        holder: str,
+        epoch: str,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+    ) -> Reply[tuple[int, str]]: ...
+
+    def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Reply[None]: ...
+
+    def arena_pin(
+        self, holder: str, epoch: str, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> Reply[list[tuple[int, ShardMeta]]]: ...
+
+    def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> Reply[None]: ...
+
+
+class WorkerArena:
+    """Built by :meth:`connect`; ``calls`` gives the local NodeStore's current client."""
+
+    def __init__(
+        self,
+        calls: Callable[[], ArenaCalls],
+        info: RegionInfo,
+        grant_room: int,
+        timeout_s: float,
+    ) -> None:
+        self._calls = calls
+        self._timeout_s = timeout_s
+        self.info = info
+        self.mapping = ArenaMapping(info)
+        self._lock_file = HolderLock(info.path)
+        self.holder = self._lock_file.holder
+        self.pool = ExtentPool(max(grant_room // _POOL_SHARE, 0), info.epoch)
+        self._refiller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-grant")
+        self._refilling = threading.Lock()  # held while a refill is queued or running
+        self.stale = False  # the NodeStore has a new arena: this mapping is of the old one
+
+    @classmethod
+    def connect(cls, calls: Callable[[], ArenaCalls], timeout_s: float) -> WorkerArena | None:
+        """The node's arena, mapped; None if the NodeStore has none or it cannot be
+        mapped from here (another container's /dev/shm): then the object store it is."""
+        try:
+            info, grant_room = calls().arena_info().result(timeout_s)
+            if info is None:
+                return None
+            return cls(calls, info, grant_room, timeout_s)
+        except Exception:
+            logger.warning("the node's arena cannot be used; using the object store", exc_info=True)
+            return None
+
+    @property
+    def epoch(self) -> str:
+        return self.pool.epoch
+
+    # ---- stores ----------------------------------------------------------------------------
+    def expect(self, sizes: list[int]) -> None:
+        """Fill the pool for jobs of these shard sizes (in the background)."""
+        self.pool.expect(sizes)
+        self._queue_refill()
+
+    def take(self, sizes: list[int]) -> list[int] | None:
+        """Model-runner thread: granted extents for a job's shards, or None (take the
+        other path); either way a refill is queued if the pool runs low."""
+        offsets = self.pool.take(sizes)
+        self._queue_refill()
+        return offsets
+
+    def commit(
+        self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
+    ) -> int | None:
+        """Transfer thread: hand filled extents to the NodeStore; returns shards kept, or
+        None if it has a new arena (restarted) and adopted nothing. On failure the
+        extents are given back (those it adopted are no longer granted, so giving them
+        back frees nothing of theirs)."""
+        epoch = self.epoch
+        try:
+            kept, current = (
+                self._calls()
+                .arena_commit(self.holder, epoch, namespace, rank, world_size, entries)
+                .result(self._timeout_s)
+            )
+        except Exception:
+            self.give_back([e.offset for e in entries], epoch)
+            raise
+        if current != epoch:
+            self.stale = True  # nothing was adopted: those extents are not that arena's
+            return None
+        return int(kept)
+
+    def give_back(self, offsets: list[int], epoch: str | None = None) -> None:
+        if offsets:
+            try:  # one-way
+                self._calls().arena_give_back(self.holder, epoch or self.epoch, offsets)
+            except Exception:
+                logger.debug("could not give extents back", exc_info=True)
+
+    # ---- loads -----------------------------------------------------------------------------
+    def pin(
+        self, namespace: Namespace, rank: int, keys: list[ChunkKey]
+    ) -> list[tuple[int, ShardMeta]]:
+        """Transfer thread: the shards' extents and metadata, pinned until :meth:`unpin`."""
+        return (
+            self._calls()
+            .arena_pin(self.holder, self.epoch, namespace, rank, keys)
+            .result(self._timeout_s)
+        )
+
+    def unpin(self, offsets: list[int]) -> None:
+        try:  # one-way: the NodeStore also unpins what a dead holder left
+            self._calls().arena_unpin(self.holder, self.epoch, offsets)
+        except Exception:
+            logger.warning("could not unpin %d extents", len(offsets), exc_info=True)
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.mapping.array
+
+    # ---- refills ---------------------------------------------------------------------------
+    def _queue_refill(self) -> None:
+        if self._refilling.acquire(blocking=False):
+            try:
+                self._refiller.submit(self._refill)
+            except RuntimeError:  # shut down
+                self._refilling.release()
+
+    def _refill(self) -> None:
+        """Refill thread: ask for what the pool wants until it wants no more, the arena
+        is full or a call fails; errors are logged."""
+        try:
+            while self._refill_once():
+                pass  # jobs took extents while the last grant was in flight
+        except Exception:
+            logger.error("arena refill failed", exc_info=True)
+        finally:
+            self._refilling.release()
+
+    def _refill_once(self) -> bool:
+        """One grant call for what the pool wants; False when it wants nothing more
+        (or the call failed)."""
+        sizes = self.pool.wanted()
+        if not sizes:
+            return False
+        try:
+            epoch, offsets = (
+                self._calls().arena_grant(self.holder, self.epoch, sizes).result(self._timeout_s)
+            )
+        except Exception:
+            self.pool.add(sizes, [None] * len(sizes), self.epoch)
+            logger.warning("arena grant failed; stores take the object store", exc_info=True)
+            return False
+        if epoch != self.epoch:
+            self.stale = True  # granted nothing; the worker maps the new arena
+        stale = self.pool.add(sizes, offsets, epoch)
+        self.give_back(stale, epoch)
+        return not stale and None not in offsets  # the arena is not full
+
+    def close(self) -> None:
+        """Worker shutdown: give back what the pool holds, release the lock."""
+        self._refiller.shutdown(wait=True)
+        self.give_back(self.pool.drain())
+        self._lock_file.close()
+        self.mapping.close()
