@@ -4,6 +4,8 @@ free ports, polling."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -93,3 +95,18 @@ def wait_for(check: Callable[[], T], what: str, timeout_s: float, poll_s: float 
     if not value:
         raise AssertionError(f"never saw {what} in {timeout_s} s (last: {value!r})")
     return value
+
+
+def holder_process(arena_path: str) -> tuple[subprocess.Popen[str], str]:
+    """A worker-like process holding extents of an arena: its holder lock stays taken
+    until it is killed. Returns the process and its holder id."""
+    code = (
+        "import time\n"
+        "from tierstore.data.arena.holders import HolderLock\n"
+        f"lock = HolderLock({arena_path!r})\n"
+        "print(lock.holder, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()

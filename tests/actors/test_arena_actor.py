@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import ray
 from tierstore.actors.bootstrap import find_node_store
 from tierstore.actors.clients import NodeStoreClient
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.support import poll, wait_for
+from tests.support import holder_process, poll, wait_for
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
@@ -28,26 +26,12 @@ def _node_store(cfg: TierStoreConfig) -> NodeStoreClient:
     return NodeStoreClient(find_node_store(cfg.namespace, node), node)
 
 
-def _holder_process(arena_path: str) -> tuple[subprocess.Popen[str], str]:
-    """A worker process of the node: holds its lock until killed."""
-    code = (
-        "import time\n"
-        "from tierstore.data.arena.holders import HolderLock\n"
-        f"lock = HolderLock({arena_path!r})\n"
-        "print(lock.holder, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, proc.stdout.readline().strip()
-
-
 def test_extents_granted_to_a_killed_worker_are_reclaimed(cfg: TierStoreConfig) -> None:
     _worker(cfg, _kv())  # starts the NodeStore
     store = _node_store(cfg)
     region, _ = store.arena_info().result()
     free = store.status().result()["arena"]["arena_free_bytes"]
-    proc, holder = _holder_process(region.path)
+    proc, holder = holder_process(region.path)
     try:
         epoch, offsets = store.arena_grant(holder, region.epoch, [4096] * 4).result()
         assert epoch == region.epoch and None not in offsets

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support import holder_process
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaMapping, ArenaRegion
 from tierstore.data.checksum import digest
@@ -96,24 +95,11 @@ def test_full_arena_refuses_grants_and_adoptions_without_blocking(
         tier.put(_id(9), StoredShard(_meta(data), data))
 
 
-def _holder_process(arena_path: str) -> tuple[subprocess.Popen[str], str]:
-    code = (
-        "import sys, time\n"
-        "from tierstore.data.arena.holders import HolderLock\n"
-        f"lock = HolderLock({arena_path!r})\n"
-        "print(lock.holder, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, proc.stdout.readline().strip()
-
-
 def test_a_killed_worker_leaks_no_granted_or_pinned_extent(tier: ArenaTier) -> None:
     data = _bytes(8 * KiB, 3)
     tier.put(_id(0), StoredShard(_meta(data), data))
     free_before = tier.allocator.free_bytes
-    proc, holder = _holder_process(tier.info.path)
+    proc, holder = holder_process(tier.info.path)
     try:
         assert tier.grant(holder, [4 * KiB, 8 * KiB]).count(None) == 0
         [(offset, _)] = tier.pin(holder, [_id(0)])

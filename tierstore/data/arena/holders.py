@@ -21,6 +21,8 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from tierstore.data.arena.locks import lock_is_free
+
 logger = logging.getLogger(__name__)
 
 _ID = re.compile(r"^[0-9a-f]{8,64}$")
@@ -57,19 +59,11 @@ class HolderLock:
 def holder_alive(arena_path: str, holder: str) -> bool:
     """Whether ``holder``'s process still holds its lock; a dead one's file is removed."""
     path = holder_lock_path(arena_path, holder)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    else:
-        path.unlink(missing_ok=True)
-        return False
-    finally:
-        os.close(fd)
+    free = lock_is_free(path)
+    if free is False or (free is None and path.exists()):
+        return True  # held, or cannot be probed: keep its extents rather than risk them
+    path.unlink(missing_ok=True)
+    return False
 
 
 class Holdings:

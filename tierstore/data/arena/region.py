@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.data.arena.locks import lock_is_free
 from tierstore.errors import TierStoreError
 
 logger = logging.getLogger(__name__)
@@ -186,21 +187,6 @@ class ArenaRegion(_Mapping):
         self._fd = None
 
 
-def _orphaned(path: Path) -> bool:
-    """Nobody holds the file's lock (its NodeStore or worker died)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)  # releases the lock if taken
-    return True
-
-
 def remove_orphans(directory: Path, namespace: str) -> int:
     """Remove arenas (and holder lock files) of ``namespace`` whose process died without
     closing them: a NodeStore killed on a node whose id never comes back would
@@ -213,7 +199,7 @@ def remove_orphans(directory: Path, namespace: str) -> int:
                 continue
         except OSError:
             continue
-        if _orphaned(path):
+        if lock_is_free(path):
             logger.info("removing orphaned arena file %s", path)
             path.unlink(missing_ok=True)
             removed += 1
