@@ -12,7 +12,10 @@ rather than a minute into the server's start-up.
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -54,3 +57,20 @@ def serve_command(
 def shell_line(argv: list[str]) -> str:
     """The command as one copy-pasteable shell line."""
     return shlex.join(argv)
+
+
+def stop_server(
+    proc: subprocess.Popen[Any], first: int = signal.SIGTERM, grace_s: float = 30.0
+) -> None:
+    """Stop a server started in its own process group (API server, engine core, workers):
+    ``first``, then SIGKILL if it has not exited within ``grace_s``. Blocks until it exits."""
+    for sig in (first, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -8,7 +8,6 @@ engine core and worker with it, as a crash of the server's host would.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tierstore.deploy.serve import SERVER_MODULE, serve_command, shell_line
+from tierstore.deploy.serve import SERVER_MODULE, serve_command, shell_line, stop_server
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +85,7 @@ class ApiServer:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        for each in (sig, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, each)
-            except ProcessLookupError:
-                return
-            try:
-                proc.wait(_STOP_GRACE_S)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_server(proc, sig, _STOP_GRACE_S)
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)

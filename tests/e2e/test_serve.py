@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import threading
 import urllib.error
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 from tierstore.deploy.cli import collect_status
 from tierstore.deploy.passes import random_prompt
-from tierstore.deploy.serve import serve_command, shell_line
+from tierstore.deploy.serve import serve_command, shell_line, stop_server
 
 from tests.e2e.conftest import (
     FP32_LOGPROB_TOL,
@@ -72,20 +71,6 @@ def _wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
     wait_for(healthy, "the server healthy", _READY_TIMEOUT_S, poll_s=1)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (API server, engine core, worker), then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(_STOP_GRACE_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 @contextmanager
 def _serving(argv: list[str], env: dict[str, str], log_path: Path) -> Iterator[str]:
     """Yields the server's base URL; any failure carries the command and the server's log."""
@@ -104,7 +89,7 @@ def _serving(argv: list[str], env: dict[str, str], log_path: Path) -> Iterator[s
             f"{exc}\n--- command ---\n{shell_line(argv)}\n--- server log (tail) ---\n{tail}"
         ) from exc
     finally:
-        _stop(proc)
+        stop_server(proc, grace_s=_STOP_GRACE_S)
 
 
 def _complete(base: str, model: str, prompt: list[int]) -> dict[str, Any]:
