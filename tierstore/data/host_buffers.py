@@ -1,7 +1,7 @@
 """Job buffers carved from a few large host segments a worker allocates once and reuses.
 
-Stand-in for the node's shared-memory arena (issue 10, item 1, not built yet): on CUDA
-the segments are pinned, so copies go device <-> segment with no per-job
+Used where a job does not go through the node's arena (the object-store path, and the
+CUDA copier until it maps the arena): on CUDA the segments are pinned, so copies go device <-> segment with no per-job
 ``cudaHostAlloc`` (slow, and torch's pinned cache rounds sizes up and never frees); on
 the CPU platform they spare each job fresh pages to fault in.
 
