@@ -220,7 +220,16 @@ def test_openai_server_serves_reset_prefix_from_tierstore(
         _reset(base, external=False)  # succeeds once the stores have released their blocks
         _reset(base, external=True)  # the connector forgets its view; the chunks stay
         warm = _complete(base, model, PROMPT)
-        after = collect_status(RAY_NAMESPACE)["totals"]
+        # The manager reports loaded chunks to the Evictor one-way, through its channel,
+        # after the load completes: the count may trail the response by a step or two.
+        after = poll(
+            lambda: collect_status(RAY_NAMESPACE)["totals"],
+            _METRICS_TIMEOUT_S,
+            poll_s=0.5,
+            done=lambda t: (
+                t["loaded_chunks"] - before["loaded_chunks"] >= warm["cached_tokens"] // 32
+            ),
+        )
         hits = poll(
             lambda: _tierstore_hits(base),
             _METRICS_TIMEOUT_S,
