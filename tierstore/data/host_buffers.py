@@ -1,8 +1,8 @@
 """Job buffers carved from a few large host segments a worker allocates once and reuses.
 
 Used where a job does not go through the node's arena (the object-store path, and the
-CUDA copier until it maps the arena): on CUDA the segments are pinned, so copies go device <-> segment with no per-job
-``cudaHostAlloc`` (slow, and torch's pinned cache rounds sizes up and never frees); on
+CUDA copier until it maps the arena): on CUDA the segments are pinned, so copies go
+device <-> segment with no per-job ``cudaHostAlloc`` (slow, and torch's pinned cache rounds sizes up and never frees); on
 the CPU platform they spare each job fresh pages to fault in.
 
 A buffer is a numpy array over its extent. It returns to its segment when it and every
