@@ -2,8 +2,9 @@
 
 Used where a job does not go through the node's arena (the object-store path, and the
 CUDA copier until it maps the arena): on CUDA the segments are pinned, so copies go
-device <-> segment with no per-job ``cudaHostAlloc`` (slow, and torch's pinned cache rounds sizes up and never frees); on
-the CPU platform they spare each job fresh pages to fault in.
+device <-> segment with no per-job ``cudaHostAlloc`` (slow, and torch's pinned cache
+rounds sizes up and never frees); on the CPU platform they spare each job fresh pages
+to fault in.
 
 A buffer is a numpy array over its extent. It returns to its segment when it and every
 view of it are gone (a ``weakref.finalize``), and, if a device copy may still be
