@@ -26,9 +26,13 @@ _LOCAL = {"node_store", "forget_node_store"}
 
 
 def _methods(cls: type) -> set[str]:
+    """Public methods a class defines, its Protocol bases' included (NodeStoreCalls
+    extends ArenaCalls)."""
     return {
         name
-        for name, value in vars(cls).items()
+        for klass in cls.__mro__
+        if klass is not object
+        for name, value in vars(klass).items()
         if callable(value) and not name.startswith("_") and name not in _LOCAL
     }
 
