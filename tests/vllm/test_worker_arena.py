@@ -8,7 +8,7 @@ import ray
 import torch
 from tierstore.actors.bootstrap import find_node_store
 from tierstore.actors.clients import NodeStoreClient
-from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
 from tests.support import poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _worker
@@ -69,6 +69,26 @@ def test_a_store_and_a_load_go_through_the_arena_byte_exact(cfg: TierStoreConfig
         done=lambda s: s["arena"]["granted_bytes"] == 0,
     )
     assert status["arena"]["granted_bytes"] == 0
+
+
+def test_a_corrupt_extent_fails_the_load_it_was_copied_by(cfg: TierStoreConfig) -> None:
+    """The same-node load hashes each piece as it copies it; a shard whose extent changed
+    after its commit fails that check, and the load through the object store fails it
+    again: the job is reported failed (its request recomputes), never done."""
+    kv = _kv()
+    worker = _worker(cfg, kv)
+    _store(worker, 1, 0)
+    _pool_ready(worker)
+    keys = _store(worker, 2, 10)
+    assert worker.arena.arena_stores >= 1
+    _node_store().corrupt_in_memory_for_test(NS, keys[1], 0).result()
+    worker.submit_load(3, _load_spec(cfg, keys), DST)
+    worker.wait({3})
+    assert worker.get_finished() == [TransferResult(3, False)]
+    assert worker.arena.arena_rejected == 1 and worker.arena.arena_loads == 0
+    stats = _node_store().status().result()["stats"]
+    assert stats["corrupt_after_hit"] == 1
+    worker.shutdown()
 
 
 def test_a_full_arena_skips_and_counts_stores_without_blocking(cfg: TierStoreConfig) -> None:

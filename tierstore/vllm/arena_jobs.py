@@ -1,10 +1,12 @@
 """Stores and same-node loads through the node's arena: one copy each way.
 
 A store gathers its pages straight into extents the worker was granted ahead of time
-(at submit, on the model-runner thread, no round trip), checksums them on a transfer
-thread and commits them in one call; the NodeStore verifies and adopts them, no copy.
-A same-node load pins its shards' extents, verifies each digest in the mapping and
-scatters straight from it, then unpins (one-way).
+(at submit, on the model-runner thread, no round trip), hashing each piece as it copies
+it; the job is then done, and its commit goes to the NodeStore later, batched with
+others (:mod:`tierstore.vllm.commit_queue`); the NodeStore adopts the extents as they
+are, no copy, no second hash. A same-node load pins its shards' extents, scatters
+straight from the mapping, hashing as it copies, and is done only if every digest
+matched; then it unpins (one-way).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -17,12 +19,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from tierstore.data.checksum import digest
 from tierstore.data.extent_copy import runs_of
 from tierstore.data.layout import JobPlan
+from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
@@ -34,14 +38,31 @@ logger = logging.getLogger(__name__)
 Filled = tuple[WorkerArena, list[int]]  # the arena a store gathered into, its extents
 
 
+@dataclass(frozen=True)
+class Commit:
+    """A store job gathered into extents and reported done; its commit not sent yet."""
+
+    job_id: int
+    filled: Filled
+    spec: StoreSpec
+    plan: JobPlan
+    digests: list[int] | None  # each chunk's, if the copy hashed as it went
+
+
 class ArenaJobs:
-    """One worker's arena path. ``connect`` maps the arena (a transfer-pool call)."""
+    """One worker's arena path: ``rank`` of ``world_size``; ``connect`` maps the arena
+    (a transfer-pool call)."""
 
     def __init__(
-        self, copier: DeviceCopier, local_node: NodeId, connect: Callable[[], WorkerArena | None]
+        self,
+        copier: DeviceCopier,
+        local_node: NodeId,
+        rank_of: tuple[int, int],
+        connect: Callable[[], WorkerArena | None],
     ) -> None:
         self._copier = copier
         self._local_node = local_node
+        self._rank, self._world_size = rank_of
         self._connect = connect
         self._arena: WorkerArena | None = None
         self._connecting = threading.Lock()
@@ -50,6 +71,7 @@ class ArenaJobs:
         self.arena_stores = 0  # store jobs gathered into the arena
         self.pool_misses = 0  # store jobs that found no granted extents (object store)
         self.arena_loads = 0
+        self.arena_rejected = 0  # same-node loads whose extents did not fit or verify
 
     # ---- set-up ----------------------------------------------------------------------------
     def _ready(self, sizes: list[int] | None = None) -> WorkerArena | None:
@@ -104,20 +126,43 @@ class ArenaJobs:
         self.arena_stores += 1
         return (arena, offsets), gathered
 
+    def commit(self, batch: list[Commit]) -> tuple[list[Commit], list[tuple[Commit, Exception]]]:
+        """Commit thread: hand filled extents to the NodeStore with their digests (hashed
+        here if the copy did not hash as it went), one call per arena and namespace.
+        Returns the commits its new arena did not adopt (it restarted: send
+        :meth:`job_bytes` instead) and those whose call failed (extents given back)."""
+        stale: list[Commit] = []
+        failed: list[tuple[Commit, Exception]] = []
+        groups: dict[tuple[int, str], list[Commit]] = {}
+        for c in batch:
+            groups.setdefault((id(c.filled[0]), c.spec.namespace), []).append(c)
+        for group in groups.values():
+            arena = group[0].filled[0]
+            entries = [entry for c in group for entry in self._entries(c)]
+            try:
+                kept = arena.commit(group[0].spec.namespace, self._rank, self._world_size, entries)
+            except Exception as exc:
+                failed += [(c, exc) for c in group]
+                continue
+            if kept is None:
+                stale += group
+        return stale, failed
+
     @staticmethod
-    def commit(
-        filled: Filled, spec: StoreSpec, plan: JobPlan, rank: int, world_size: int
-    ) -> int | None:
-        """Transfer thread: checksum the extents and hand them to the NodeStore; None if
-        its arena is a new one (it restarted): then send :meth:`job_bytes` instead."""
-        arena, offsets = filled
+    def _entries(commit: Commit) -> list[ShardEntry]:
+        (arena, offsets), spec, plan = commit.filled, commit.spec, commit.plan
         parents = spec.parents or (None,) * len(spec.keys)
-        view = arena.array
-        entries = [
-            ShardEntry(key, at, c.nbytes, digest(view[at : at + c.nbytes]), c.slot_mask, parent)
-            for key, c, at, parent in zip(spec.keys, plan.chunks, offsets, parents, strict=True)
+        digests = commit.digests
+        if digests is None:
+            view = arena.array
+            pairs = zip(plan.chunks, offsets, strict=True)
+            digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
+        return [
+            ShardEntry(key, at, c.nbytes, d, c.slot_mask, parent)
+            for key, c, at, d, parent in zip(
+                spec.keys, plan.chunks, offsets, digests, parents, strict=True
+            )
         ]
-        return arena.commit(spec.namespace, rank, world_size, entries)
 
     @staticmethod
     def job_bytes(filled: Filled, plan: JobPlan) -> np.ndarray:
@@ -129,33 +174,53 @@ class ArenaJobs:
         return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
 
     # ---- loads -----------------------------------------------------------------------------
-    def load(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter, rank: int) -> bool:
+    def load(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter) -> bool:
         """Transfer thread: serve the load from the local arena; False if this path cannot
         (the caller then loads through the object store)."""
         arena = self._ready()
         if arena is None or not scatter.in_place:
             return False
-        if set(spec.keys_by_node(rank)) != {self._local_node}:
+        if set(spec.keys_by_node(self._rank)) != {self._local_node}:
             return False
         try:
-            pins = arena.pin(spec.namespace, rank, list(spec.keys))
+            pins = arena.pin(spec.namespace, self._rank, list(spec.keys))
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...
             logger.debug("arena pin failed (%s); loading through the object store", exc)
             return False
         offsets = [at for at, _ in pins]
         try:
-            view = arena.array
-            for chunk, (at, meta) in zip(plan.chunks, pins, strict=True):
-                if (
-                    meta.nbytes != chunk.nbytes
-                    or chunk.slot_mask & ~meta.slot_mask
-                    or digest(view[at : at + meta.nbytes]) != meta.digest
-                ):
-                    return False  # the NodeStore's load checks again, and reports it
-            scatter.from_extents(view, runs_of(plan.chunks, offsets))
+            if not self._verified_scatter(arena.array, plan, pins, scatter, offsets):
+                self.arena_rejected += 1
+                return False  # the NodeStore's load checks again, and reports it
         finally:
             arena.unpin(offsets)
         self.arena_loads += 1
+        return True
+
+    @staticmethod
+    def _verified_scatter(
+        view: np.ndarray,
+        plan: JobPlan,
+        pins: list[tuple[int, ShardMeta]],
+        scatter: Scatter,
+        offsets: list[int],
+    ) -> bool:
+        """Copy the pinned extents into the load's blocks; False if a shard does not fit
+        the plan or fails its digest. A host scatter hashes each piece right after
+        copying it (the bytes still in cache) and is checked after the copy: the load is
+        not reported done, and on False the caller loads through the object store,
+        whose bytes overwrite these or fail the job (its request then recomputes from
+        scratch, so the written blocks are never read). Other copiers verify first."""
+        for chunk, (_, meta) in zip(plan.chunks, pins, strict=True):
+            if meta.nbytes != chunk.nbytes or chunk.slot_mask & ~meta.slot_mask:
+                return False
+        expected = [meta.digest for _, meta in pins]
+        runs = runs_of(plan.chunks, offsets)
+        if scatter.hashes_while_copying:
+            return scatter.from_extents(view, runs) == expected
+        if [digest(view[at : at + meta.nbytes]) for at, meta in pins] != expected:
+            return False
+        scatter.from_extents(view, runs)
         return True
 
     def close(self) -> None:

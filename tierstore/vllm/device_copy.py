@@ -61,11 +61,19 @@ class Scatter:
         """Whether :meth:`from_extents` works (the host executor; CUDA: not yet)."""
         return self._executor is not None
 
-    def from_extents(self, arena: np.ndarray, runs: Sequence[Run]) -> None:
-        """Scatter straight from the job's extents in the node's arena."""
+    @property
+    def hashes_while_copying(self) -> bool:
+        """Whether :meth:`from_extents` returns the digests of what it copied (the host
+        executor: the caller checks them after the copy, before reporting the load
+        done); otherwise the caller verifies the extents before the copy."""
+        return self._executor is not None
+
+    def from_extents(self, arena: np.ndarray, runs: Sequence[Run]) -> list[int] | None:
+        """Scatter straight from the job's extents in the node's arena; returns each
+        chunk's digest of the bytes copied if :attr:`hashes_while_copying`."""
         if self._executor is None or self._plan is None:
             raise NotImplementedError("this copier scatters from one buffer only")
-        scatter_from(self._executor, self._plan, arena, runs)
+        return scatter_from(self._executor, self._plan, arena, runs)
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -74,10 +82,18 @@ _EMPTY = np.empty(0, dtype=np.uint8)
 class Gathered:
     """A store's bytes on their way out; calling it waits for them (transfer thread)."""
 
-    def __init__(self, buffer: np.ndarray, copy: _Copy | None, seconds: float = 0.0) -> None:
+    def __init__(
+        self,
+        buffer: np.ndarray,
+        copy: _Copy | None,
+        seconds: float = 0.0,
+        digests: list[int] | None = None,
+    ) -> None:
         self._buffer = buffer
         self._copy = copy
         self._seconds = seconds
+        # Each chunk's digest when the copy hashed as it went (host gathers into extents).
+        self.digests = digests
 
     def __call__(self) -> np.ndarray:
         """The job's bytes once copied; from then on the source blocks may be overwritten."""
@@ -149,8 +165,8 @@ class HostCopier(DeviceCopier):
         self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
     ) -> Gathered:
         started = time.perf_counter()
-        gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
-        return Gathered(_EMPTY, None, time.perf_counter() - started)
+        digests = gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
+        return Gathered(_EMPTY, None, time.perf_counter() - started, digests)
 
     def prepare_scatter(
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False

@@ -44,7 +44,8 @@ from tierstore.errors import ChunkCorruptError, TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.store.ports import Reply
-from tierstore.vllm.arena_jobs import ArenaJobs, Filled
+from tierstore.vllm.arena_jobs import ArenaJobs, Commit, Filled
+from tierstore.vllm.commit_queue import BatchQueue
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import ArenaCalls, WorkerArena
@@ -121,9 +122,11 @@ class TierStoreWorker(OffloadingWorker):
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
         self.relocated_loads = 0  # load jobs served (in part) by another copy
+        self._commits = BatchQueue(self._send_commits, "tierstore-commit")
         self.arena = ArenaJobs(
             self._copier,
             ports.local_node,
+            (rank, world_size),
             lambda: WorkerArena.connect(
                 lambda: ports.node_store(ports.local_node), transfer_timeout_s
             ),
@@ -158,26 +161,42 @@ class TierStoreWorker(OffloadingWorker):
         try:
             if extents is None:
                 self._put(spec, plan, buffer)
-            elif self.arena.commit(extents, spec, plan, self._rank, self._world_size) is None:
-                # The NodeStore restarted: its new arena does not hold these extents.
-                self._put(spec, plan, self.arena.job_bytes(extents, plan))
-        except Exception:
-            # A lost store costs a future recompute, never wrong output: report the job
-            # done (vLLM has no failure path) and keep serving.
-            logger.warning(
-                "store job %d failed; its %d chunks are not offloaded",
-                job_id,
-                len(plan.chunks),
-                exc_info=True,
-            )
-            self.failed_stores += 1
-            self._ports.forget_node_store(self._ports.local_node)
-            try:
-                self._ports.report_failed_stores(1)
-            except Exception:  # best effort: the Evictor may be what failed
-                logger.debug("could not report the failed store", exc_info=True)
+            else:  # acknowledged later, batched: the bytes are in place already
+                self._commits.put(Commit(job_id, extents, spec, plan, gathered.digests))
+        except Exception as exc:
+            self._store_failed(job_id, len(plan.chunks), exc)
         # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
         return TransferResult(job_id, True, plan.nbytes, gathered.copy_seconds)
+
+    def _send_commits(self, batch: list[Commit]) -> None:
+        """Commit thread: one call for the queued commits; a NodeStore with a new arena
+        (restarted) gets those jobs' bytes through the object store."""
+        stale, failed = self.arena.commit(batch)
+        for c in stale:
+            try:
+                self._put(c.spec, c.plan, self.arena.job_bytes(c.filled, c.plan))
+            except Exception as exc:
+                failed.append((c, exc))
+        for c, exc in failed:
+            self._store_failed(c.job_id, len(c.plan.chunks), exc)
+
+    def _store_failed(self, job_id: int, n_chunks: int, error: Exception) -> None:
+        """A lost store costs a future recompute, never wrong output: the job is
+        reported done (vLLM has no failure path), counted, and the worker keeps serving."""
+        logger.warning(
+            "store job %d failed; its %d chunks are not offloaded", job_id, n_chunks, exc_info=error
+        )
+        self.failed_stores += 1
+        self._ports.forget_node_store(self._ports.local_node)
+        try:
+            self._ports.report_failed_stores(1)
+        except Exception:  # best effort: the Evictor may be what failed
+            logger.debug("could not report the failed store", exc_info=True)
+
+    def wait_stored(self, timeout_s: float) -> bool:
+        """Tests and benchmarks: block until every store reported done so far was
+        acknowledged by its NodeStore (vLLM never needs to); False at the deadline."""
+        return self._commits.wait_idle(timeout_s)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
         parents = spec.parents or (None,) * len(spec.keys)
@@ -239,7 +258,7 @@ class TierStoreWorker(OffloadingWorker):
     def _load(
         self, job_id: int, spec: LoadSpec, scatter: Scatter, plan: JobPlan, started: float
     ) -> TransferResult:
-        if self.arena.load(spec, plan, scatter, self._rank):  # same node: from the arena
+        if self.arena.load(spec, plan, scatter):  # same node: from the arena
             return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
         by_node = spec.keys_by_node(self._rank)
         calls = {node: self._call_load(spec, node, idx) for node, idx in by_node.items()}
@@ -394,4 +413,5 @@ class TierStoreWorker(OffloadingWorker):
     @override
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        self._commits.close(self._timeout_s)
         self.arena.close()

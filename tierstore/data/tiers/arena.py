@@ -2,7 +2,9 @@
 
 Shards enter three ways, none with a copy the caller did not ask for:
 - :meth:`adopt`: a worker of the node gathered the shard straight into an extent it was
-  granted (:meth:`grant`); the tier verifies the digest over the extent and keeps it.
+  granted (:meth:`grant`) and hashed it as it copied; the tier keeps it with that
+  digest without reading the bytes again (one hash per store): every reader verifies
+  (a same-node load, the NodeStore's load, a disk write's later read).
 - :meth:`fill`: the tier allocates an extent and the caller writes it (a disk promotion
   ``readinto``, a replica received).
 - :meth:`put`: a :class:`StoredShard` from elsewhere, copied in (the cross-node path).
@@ -30,7 +32,6 @@ from typing_extensions import override
 from tierstore.data.arena.allocator import DEFAULT_ALIGN, ExtentAllocator
 from tierstore.data.arena.holders import Holdings
 from tierstore.data.arena.region import ArenaRegion, RegionInfo
-from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.errors import ChunkNotFoundError, TierFullError
 from tierstore.keys import ShardId
@@ -56,7 +57,6 @@ class ArenaTier(Tier):
         self._deferred: list[tuple[int, int]] = []  # deleted while read: freed after
         self._lock = threading.RLock()
         self.refused_grants = 0  # extents asked for that the arena had no room for
-        self.corrupt_adoptions = 0
 
     @property
     def info(self) -> RegionInfo:
@@ -184,9 +184,9 @@ class ArenaTier(Tier):
         return out
 
     def adopt(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
-        """Keep the shard ``holder`` wrote into its granted extent at ``offset``, if its
-        digest matches and there is room; the extent is no longer granted either way (it
-        is the shard's, or free). Returns whether the tier now holds the shard."""
+        """Keep the shard ``holder`` wrote into its granted extent at ``offset``, with the
+        digest it computed, if there is room; the extent is no longer granted either way
+        (it is the shard's, or free). Returns whether the tier now holds the shard."""
         with self._lock:
             granted = self.holdings.take_grant(holder, offset)
         if granted is None:
@@ -194,10 +194,6 @@ class ArenaTier(Tier):
         if meta.nbytes > granted:
             self._free(offset, granted)
             raise ValueError(f"shard {shard_id!r}: {meta.nbytes} bytes in a {granted}-byte extent")
-        if digest(self.region.view(offset, meta.nbytes)) != meta.digest:
-            self.corrupt_adoptions += 1
-            self._free(offset, granted)
-            return False
         with self._lock:
             if shard_id in self._shards or meta.nbytes > self.free_bytes:
                 held = shard_id in self._shards
