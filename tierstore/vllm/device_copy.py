@@ -4,7 +4,11 @@ Each job's copies are described once (:mod:`tierstore.data.copy_plan`) from its
 ``JobPlan`` and block ids. On the CPU platform the KV cache is host memory and the
 plan runs as vectorized numpy copies (:mod:`tierstore.data.host_copy`). On CUDA the
 same plan, as flat pointer runs, goes to vLLM's ``swap_blocks_batch``: one driver call
-per job on a side stream, device <-> pinned host buffers, no GPU staging.
+per job on a side stream, no GPU staging. Its host side is the node's arena once the
+worker has mapped and registered it (``attach_arena``): stores gather straight into
+their granted extents and same-node loads scatter straight out of pinned extents
+(:mod:`tierstore.data.extent_dma` maps the runs onto the extents); otherwise pinned
+job buffers (the object-store path).
 
 CUDA ordering (vLLM 0.33's ``cpu/gpu_worker.py`` does the same):
 - ``gather`` and ``prepare_scatter`` run on the model-runner thread. They record an
@@ -13,8 +17,10 @@ CUDA ordering (vLLM 0.33's ``cpu/gpu_worker.py`` does the same):
   load lands only after every write already queued to its blocks (their zeroing).
 - block ids become pointers on the host: nothing is copied to the GPU at submit, so
   submit never waits for the forward.
-- descriptor tables and host buffers are pinned once and reused (``HostBuffers``):
-  no per-job ``cudaHostAlloc``, no per-job GPU allocation.
+- the arena is registered once per worker (``cudaHostRegister``,
+  :mod:`tierstore.vllm.host_register`); descriptor tables and the object-store path's
+  host buffers are pinned once and reused (``HostBuffers``): no per-job
+  ``cudaHostAlloc``, no per-job GPU allocation.
 - stores, loads and expedited loads each have their own stream.
 - events are blocking: a thread waiting on one sleeps instead of spinning.
 - the copy is timed by its own start/end events (``Gathered.copy_seconds``).
@@ -32,11 +38,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore.data.copy_plan import CopyPlan, CopyPlanner, DmaRuns, fill_descriptors
+from tierstore.data.copy_plan import CopyPlanner, DmaRuns, fill_descriptors
 from tierstore.data.extent_copy import Run, gather_into, scatter_from
+from tierstore.data.extent_dma import arena_ranges, arena_runs
 from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.host_copy import HostExecutor
 from tierstore.data.layout import ChunkLayout, JobPlan
+from tierstore.vllm.host_register import HostRegistry
+
+FromExtents = Callable[[np.ndarray, Sequence[Run]], None]
 
 
 class Scatter:
@@ -44,28 +54,26 @@ class Scatter:
     thread, it returns once they are in the destination blocks."""
 
     def __init__(
-        self,
-        run: Callable[[np.ndarray], None],
-        plan: CopyPlan | None = None,
-        executor: HostExecutor | None = None,
+        self, run: Callable[[np.ndarray], None], from_extents: FromExtents | None = None
     ) -> None:
         self._run = run
-        self._plan = plan
-        self._executor = executor
+        self._from_extents = from_extents
 
     def __call__(self, data: np.ndarray) -> None:
         self._run(data)
 
     @property
     def in_place(self) -> bool:
-        """Whether :meth:`from_extents` works (the host executor; CUDA: not yet)."""
-        return self._executor is not None
+        """Whether :meth:`from_extents` works: the host executor always; CUDA once the
+        arena was registered when the load was submitted."""
+        return self._from_extents is not None
 
     def from_extents(self, arena: np.ndarray, runs: Sequence[Run]) -> None:
-        """Scatter straight from the job's extents in the node's arena."""
-        if self._executor is None or self._plan is None:
+        """Scatter straight from the job's extents in the node's arena; returns once the
+        bytes are in the destination blocks (the extents may be unpinned then)."""
+        if self._from_extents is None:
             raise NotImplementedError("this copier scatters from one buffer only")
-        scatter_from(self._executor, self._plan, arena, runs)
+        self._from_extents(arena, runs)
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
@@ -121,6 +129,16 @@ class DeviceCopier(ABC):
 
     in_place = False  # whether gather_into works
 
+    def attach_arena(self, array: np.ndarray) -> bool:
+        """Arena set-up thread, once the node's arena is mapped: make it usable for
+        in-place copies; False: it cannot be (the worker keeps the object store)."""
+        return self.in_place
+
+    def detach_arena(self, array: np.ndarray) -> None:
+        """Before the arena is unmapped (a NodeStore restart, worker shutdown): blocks
+        until no copy of this copier touches it any more."""
+        return None
+
     def gather_into(
         self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
     ) -> Gathered:
@@ -157,17 +175,21 @@ class HostCopier(DeviceCopier):
     ) -> Scatter:
         copy_plan = self.planner.build(plan, block_ids)
         return Scatter(
-            functools.partial(self._executor.scatter, copy_plan), copy_plan, self._executor
+            functools.partial(self._executor.scatter, copy_plan),
+            functools.partial(scatter_from, self._executor, copy_plan),
         )
 
 
 class CudaCopier(DeviceCopier):
     """KV cache on a GPU. Constructed only for CUDA KV tensors; imports vLLM's ops then.
 
-    Host side: job buffers from pinned segments this worker allocates once and reuses
-    (``HostBuffers``), until the node's shared-memory arena (issue 10, item 1) replaces
-    them; a load's bytes are first copied from the Ray object into such a buffer.
+    Host side: the node's arena extents once :meth:`attach_arena` has registered the
+    mapping; before that, or if it cannot, job buffers from pinned segments this worker
+    allocates once and reuses (``HostBuffers``), for the object-store path, where a
+    load's bytes are first copied from the Ray object into such a buffer.
     """
+
+    in_place = True
 
     def __init__(self, layout: ChunkLayout, swap: Callable[..., None] | None = None) -> None:
         super().__init__(layout)
@@ -182,11 +204,18 @@ class CudaCopier(DeviceCopier):
         self._expedited_stream = torch.cuda.Stream(device=self._device)
         self._buffers = HostBuffers(_pinned)
         self._tables = _DescriptorTables()
+        self._arena = HostRegistry(self._synchronize, self._device)
 
     @property
     def host_bytes(self) -> int:
         """Pinned host memory this worker's job buffers hold (peak in-flight, at most 2x)."""
         return self._buffers.capacity
+
+    def attach_arena(self, array: np.ndarray) -> bool:
+        return self._arena.register(array)
+
+    def detach_arena(self, array: np.ndarray) -> None:
+        self._arena.unregister(array)
 
     def gather(self, plan: JobPlan, block_ids: np.ndarray) -> Gathered:
         copy_plan = self.planner.build(plan, block_ids)
@@ -195,22 +224,35 @@ class CudaCopier(DeviceCopier):
         out = self._buffers.take(copy_plan.nbytes, ready=copy.done)
         for offset, nbytes in copy_plan.zeros:
             out[offset : offset + nbytes] = 0
-        self._launch(self._store_stream, runs, out, True, self._mark(), copy)
+        self._launch(self._store_stream, runs, out, self._mark(), copy)
         return Gathered(out, copy)
+
+    def gather_into(
+        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
+    ) -> Gathered:
+        """Model-runner thread: one copy, device -> the job's granted extents; the slots
+        it does not fill are cleared on the host first (nothing else writes them)."""
+        copy_plan = self.planner.build(plan, block_ids)
+        nbytes = copy_plan.nbytes
+        for at, n in arena_ranges(copy_plan.zeros, runs, nbytes, arena.nbytes):
+            arena[at : at + n] = 0
+        dma = arena_runs(
+            self.planner.dma_runs(copy_plan), runs, nbytes, arena.nbytes, self._arena.range_bytes
+        )
+        copy = _Copy()
+        self._launch(self._store_stream, dma, arena, self._mark(), copy, keep=True)
+        return Gathered(_EMPTY, copy)
 
     def prepare_scatter(
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False
     ) -> Scatter:
         copy_plan = self.planner.build(plan, block_ids)
         stream = self._expedited_stream if expedited else self._load_stream
+        args = (copy_plan.nbytes, self.planner.dma_runs(copy_plan), self._mark(), stream)
+        from_extents = functools.partial(self._scatter_extents, *args)
         return Scatter(
-            functools.partial(
-                self._scatter,
-                copy_plan.nbytes,
-                self.planner.dma_runs(copy_plan),
-                self._mark(),
-                stream,
-            )
+            functools.partial(self._scatter, *args),
+            from_extents if self._arena.active() else None,
         )
 
     def _scatter(
@@ -222,7 +264,22 @@ class CudaCopier(DeviceCopier):
         copy = _Copy()
         host = self._buffers.take(nbytes, ready=copy.done)
         np.copyto(host, data.reshape(-1).view(np.uint8))
-        self._launch(stream, runs, host, False, after, copy)
+        self._launch(stream, runs, host, after, copy)
+        copy.wait()
+
+    def _scatter_extents(
+        self,
+        nbytes: int,
+        runs: DmaRuns,
+        after: Any,
+        stream: Any,
+        arena: np.ndarray,
+        extents: Sequence[Run],
+    ) -> None:
+        """Transfer thread: one copy, the job's extents -> device; waits (sleeping)."""
+        dma = arena_runs(runs, extents, nbytes, arena.nbytes, self._arena.range_bytes)
+        copy = _Copy()
+        self._launch(stream, dma, arena, after, copy, keep=True)
         copy.wait()
 
     def _mark(self) -> Any:
@@ -232,23 +289,42 @@ class CudaCopier(DeviceCopier):
         return event
 
     def _launch(
-        self, stream: Any, runs: DmaRuns, host: np.ndarray, to_host: bool, after: Any, copy: _Copy
+        self,
+        stream: Any,
+        runs: DmaRuns,
+        host: np.ndarray,
+        after: Any,
+        copy: _Copy,
+        keep: bool = False,
     ) -> None:
-        """One ``swap_blocks_batch`` on ``stream``, after the event ``after``."""
+        """One ``swap_blocks_batch`` on ``stream``, after the event ``after``. ``host`` is
+        a job buffer (offsets into it) or the arena (arena offsets); the store stream
+        copies device -> host, the load streams host -> device. Launched under the
+        registry's lock, so the arena is never unregistered under a queued copy; with
+        ``keep`` (the arena) ``host`` is referenced until the copy is done, so its
+        mapping is not unmapped under one either (a job buffer goes back to its segment
+        by its own ``ready`` check)."""
+        to_host = stream is self._store_stream
         table = self._tables.take(len(runs))
         src, dst, sizes = (row.numpy() for row in table)
         n = fill_descriptors(runs, host.ctypes.data, to_host, src, dst, sizes)
-        with torch.cuda.device(self._device):
+        with self._arena.lock, torch.cuda.device(self._device):
             stream.wait_event(after)
             with torch.cuda.stream(stream):
                 copy.start.record(stream)
                 if n:
-                    # Host -> device reads memory no GPU stream writes: the DMA engine may
-                    # read ahead. Device -> host keeps stream order (the KV is live).
+                    # Host -> device reads memory no GPU stream writes (a load's pinned
+                    # extents, a staged buffer): the DMA engine may read ahead. Device ->
+                    # host keeps stream order (the KV is live).
                     src_any = not to_host
                     self._swap(table[0, :n], table[1, :n], table[2, :n], src_any)
                 copy.end.record(stream)
-        self._tables.give(table, copy.done)
+        self._tables.give(table, copy.done, host if keep else None)
+
+    def _synchronize(self) -> None:
+        """Block until every copy queued so far on this copier's streams is done."""
+        for stream in (self._store_stream, self._load_stream, self._expedited_stream):
+            stream.synchronize()
 
 
 class _Copy:
@@ -277,17 +353,17 @@ class _DescriptorTables:
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
-        self._busy: list[tuple[torch.Tensor, Callable[[], bool]]] = []
+        self._busy: list[tuple[torch.Tensor, Callable[[], bool], Any]] = []
         self._lock = threading.Lock()
 
     def take(self, n: int) -> torch.Tensor:
         with self._lock:
             busy, self._busy = self._busy, []
-            for table, done in busy:
+            for table, done, kept in busy:
                 if done():
-                    self._free.append(table)
+                    self._free.append(table)  # and ``kept`` is let go
                 else:
-                    self._busy.append((table, done))
+                    self._busy.append((table, done, kept))
             fitting = [t for t in self._free if t.shape[1] >= n]
             if fitting:
                 table = min(fitting, key=lambda t: t.shape[1])
@@ -296,9 +372,11 @@ class _DescriptorTables:
         capacity = 1 << max(10, (n - 1).bit_length())  # powers of two: allocated rarely
         return torch.empty((3, capacity), dtype=torch.int64, pin_memory=True)
 
-    def give(self, table: torch.Tensor, done: Callable[[], bool]) -> None:
+    def give(self, table: torch.Tensor, done: Callable[[], bool], keep: Any = None) -> None:
+        """``table`` (and ``keep``, e.g. the host memory the copy uses) are held until
+        ``done``."""
         with self._lock:
-            self._busy.append((table, done))
+            self._busy.append((table, done, keep))
 
 
 def _pinned(nbytes: int) -> np.ndarray:
