@@ -370,7 +370,7 @@ class _DescriptorTables:
                 self._free.remove(table)
                 return table
         capacity = 1 << max(10, (n - 1).bit_length())  # powers of two: allocated rarely
-        return torch.empty((3, capacity), dtype=torch.int64, pin_memory=True)
+        return _pinned_table(capacity)
 
     def give(self, table: torch.Tensor, done: Callable[[], bool], keep: Any = None) -> None:
         """``table`` (and ``keep``, e.g. the host memory the copy uses) are held until
@@ -381,6 +381,10 @@ class _DescriptorTables:
 
 def _pinned(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def _pinned_table(capacity: int) -> torch.Tensor:
+    return torch.empty((3, capacity), dtype=torch.int64, pin_memory=True)
 
 
 def make_copier(layout: ChunkLayout) -> DeviceCopier:

@@ -54,15 +54,16 @@ class HostRegistry:
         quiesce: Callable[[], None],
         device: torch.device | None = None,
         helpers: tuple[Register, Unregister] | None = None,
-        max_bytes: int = MAX_REGISTER_BYTES,
+        max_bytes: int | None = None,
     ) -> None:
         """``quiesce`` blocks until every copy queued so far on the copier's streams is
         done. ``device``: the worker's GPU, current while (un)registering. ``helpers``:
-        (register, unregister), vLLM's by default; ``max_bytes``: the largest range."""
+        (register, unregister), vLLM's by default; ``max_bytes``: the largest range
+        (:data:`MAX_REGISTER_BYTES` by default)."""
         self._quiesce = quiesce
         self._device = device
         self._helpers = helpers
-        self._max_bytes = max_bytes
+        self._max_bytes = max_bytes or MAX_REGISTER_BYTES
         self._ranges: dict[int, tuple[list[int], np.ndarray]] = {}
         self.lock = threading.Lock()
 
