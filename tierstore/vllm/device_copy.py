@@ -186,7 +186,9 @@ class CudaCopier(DeviceCopier):
     Host side: the node's arena extents once :meth:`attach_arena` has registered the
     mapping; before that, or if it cannot, job buffers from pinned segments this worker
     allocates once and reuses (``HostBuffers``), for the object-store path, where a
-    load's bytes are first copied from the Ray object into such a buffer.
+    load's bytes are first copied from the Ray object into such a buffer. A job racing
+    the arena's detach (a NodeStore restart) copies to or from it unregistered, as
+    pageable memory: slower, still correct, and the mapping is kept until it is done.
     """
 
     in_place = True
