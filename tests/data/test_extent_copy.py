@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.data.test_copy_plan import GEOMETRIES, _case, _job, _reference_gather
-from tierstore.data.arena.allocator import ExtentAllocator
-from tierstore.data.copy_plan import CopyPlanner
 from tierstore.data import extent_copy
+from tierstore.data.arena.allocator import ExtentAllocator
 from tierstore.data.checksum import digest
+from tierstore.data.copy_plan import CopyPlanner
 from tierstore.data.extent_copy import gather_into, runs_of, scatter_from
 from tierstore.data.host_copy import HostExecutor
 from tierstore.data.layout import ChunkLayout, as_index

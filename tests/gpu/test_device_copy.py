@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tierstore.data.layout import ChunkLayout, as_index
-from tierstore.vllm.device_copy import CudaCopier, make_copier
+from tierstore.vllm.cuda_copy import CudaCopier
+from tierstore.vllm.device_copy import make_copier
 
 pytestmark = pytest.mark.gpu
 

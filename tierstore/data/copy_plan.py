@@ -48,7 +48,7 @@ class DmaRuns:
     """Flat runs in buffer order: ``kv_addr[i]`` <-> ``buffer + offset[i]``, ``nbytes[i]``."""
 
     kv_addr: np.ndarray  # int64 absolute addresses in the KV tensors
-    offset: np.ndarray  # int64, increasing
+    offset: np.ndarray  # int64; increasing in a job buffer (arena offsets: extent_dma)
     nbytes: np.ndarray  # int64
 
     def __len__(self) -> int:

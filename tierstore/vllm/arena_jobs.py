@@ -90,6 +90,9 @@ class ArenaJobs:
     def _map(self) -> None:
         try:
             arena = self._connect()
+            if arena is not None and not self._copier.attach_arena(arena.array):
+                arena.close()  # not registrable for DMA (CUDA): the object store it is
+                arena = None
             self._tried = arena is None  # no arena on this node: do not ask again
             if arena is not None and self._first_sizes:
                 arena.expect(self._first_sizes)
@@ -103,7 +106,16 @@ class ArenaJobs:
         """The NodeStore restarted (a new arena): map the new one next time."""
         if self._arena is arena:
             self._arena = None
-            threading.Thread(target=arena.close, name="tierstore-arena-close", daemon=True).start()
+            threading.Thread(
+                target=self._release, args=(arena,), name="tierstore-arena-close", daemon=True
+            ).start()
+
+    def _release(self, arena: WorkerArena) -> None:
+        try:
+            self._copier.detach_arena(arena.array)  # waits for copies still using it
+        except Exception:
+            logger.warning("unregistering the arena failed", exc_info=True)
+        arena.close()
 
     # ---- stores ----------------------------------------------------------------------------
     def gather(self, plan: JobPlan, block_ids: np.ndarray) -> tuple[Filled, Gathered] | None:
@@ -226,4 +238,4 @@ class ArenaJobs:
     def close(self) -> None:
         arena, self._arena = self._arena, None
         if arena is not None:
-            arena.close()
+            self._release(arena)

@@ -4,10 +4,11 @@ Runtime rules (vLLM's model-runner thread calls every method):
 - ``submit_*`` never wait on Ray. A store's pages are gathered at submit (on CUDA: a
   copy queued after the compute stream), so the source blocks are free once that copy
   ends; putting the bytes and the NodeStore's acknowledgement happen on a transfer thread.
-- on the CPU platform a store is gathered straight into extents of the node's shared
-  arena when the worker's pool of granted extents has them, and a same-node load
-  scatters straight from pinned extents (:mod:`tierstore.vllm.arena_jobs`); otherwise
-  (no arena, an empty pool, another node, CUDA for now) bytes go through the object store.
+- a store is gathered straight into extents of the node's shared arena when the
+  worker's pool of granted extents has them, and a same-node load scatters straight
+  from pinned extents (:mod:`tierstore.vllm.arena_jobs`; on CUDA the arena is first
+  registered for DMA, ``cudaHostRegister``); otherwise (no arena, an empty pool,
+  another node, an arena CUDA would not register) bytes go through the object store.
 - a store is reported finished only once the NodeStore holds it; a load only once its
   bytes were verified (length, slot coverage, xxh3) and are in the destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
