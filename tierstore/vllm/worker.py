@@ -145,9 +145,13 @@ class TierStoreWorker(OffloadingWorker):
         extents, gathered = filled or (None, self._copier.gather(plan, src_spec.block_ids))
         with self._lock:
             self._gathers[job_id] = gathered
-        self._track(
-            job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered, extents)
-        )
+        args = (job_id, dst_spec, plan, gathered, extents)
+        if extents is not None and gathered.copied():  # in the arena: only a commit to queue
+            done: Future[TransferResult] = Future()
+            done.set_result(self._store(*args))
+            self._track(job_id, done)
+        else:
+            self._track(job_id, self._pool.submit(self._store, *args))
         return True
 
     def _store(
