@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierstore.data.copy_plan import CopyPlan, CopyPlanner, DmaRuns, fill_descriptors
+from tierstore.data.copy_plan import CopyPlan, CopyPlanner, DmaRuns, fill_descriptors, window
 from tierstore.data.extent_copy import Run, gather_into, scatter_from
 from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.host_copy import HostExecutor
@@ -66,6 +66,15 @@ class Scatter:
         if self._executor is None or self._plan is None:
             raise NotImplementedError("this copier scatters from one buffer only")
         scatter_from(self._executor, self._plan, arena, runs)
+
+    def from_pieces(self, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Scatter from separate buffers, each the job's bytes from a chunk boundary
+        ``(job offset, bytes)`` on (the shards of a fetched object, read in place). The
+        caller checks that they cover the job once."""
+        if self._executor is None or self._plan is None:
+            raise NotImplementedError("this copier scatters from one buffer only")
+        for lo, piece in pieces:
+            self._executor.scatter(window(self._plan, lo, lo + piece.nbytes), piece)
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
