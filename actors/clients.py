@@ -171,12 +171,13 @@ class NodeStoreClient:
 
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
-    ) -> Pending[tuple[np.ndarray, list[ShardMeta]]]:
-        """The shards back to back in one (read-only, zero-copy) buffer, and their metas."""
+    ) -> Pending[tuple[list[np.ndarray], list[ShardMeta]]]:
+        """The shards, one read-only array each, in key order (zero-copy views of the
+        fetched object, which they keep alive), and their metas."""
 
-        def fetched(value: Any) -> tuple[np.ndarray, list[ShardMeta]]:
+        def fetched(value: Any) -> tuple[list[np.ndarray], list[ShardMeta]]:
             refs, metas = value
-            return ray.get(refs[0], timeout=self.timeout_s), metas_of(metas)
+            return list(ray.get(refs[0], timeout=self.timeout_s)), metas_of(metas)
 
         return self._call("load", namespace, rank, keys, convert=fetched)
 

@@ -234,9 +234,13 @@ class NodeStore:
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> tuple[list[ray.ObjectRef], list[ShardMeta]]:
-        data, metas = self._core.load(namespace, rank, keys)
-        # Returning the array would copy it per call; a ref in a list does not.
-        return [ray.put(data)], metas
+        """The shards' bytes in one object, put straight from their extents (one copy,
+        made while no extent can be reused), and their metas. This actor owns the object;
+        the caller gets it while this actor lives (a ref returned in a list is borrowed,
+        so it outlives this call), or retries elsewhere if it died meanwhile."""
+        ref, metas = self._core.load_views(namespace, rank, keys, ray.put)
+        # Returning the arrays would copy them per call; a ref in a list does not.
+        return [ref], metas
 
     @_CONTROL
     def apply(self, actions: NodeActions) -> None:

@@ -20,15 +20,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+# Other test runs on this machine create arenas too; a file is locked microseconds after
+# it is created, so a few seconds of age is ample.
+_SWEEP_AGE_S = 5.0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_orphaned_arenas() -> Iterator[None]:
     """After each module: a cluster the module killed leaves its NodeStores' arenas in
-    /dev/shm (a killed actor runs no shutdown hook; the next NodeStore of the same
-    namespace would sweep them), ~1.3 GiB of memory each. Remove every tierstore arena or
-    holder file whose lock nobody holds, so a whole run does not pile them up."""
+    /dev/shm (a killed actor runs no shutdown hook; the next NodeStore to start on this
+    machine would sweep them), ~1.3 GiB of memory each. Remove every tierstore arena or
+    holder file whose lock nobody holds, with the library's own sweep, so a whole run
+    does not pile them up."""
     yield
-    from tierstore.data.arena.locks import lock_is_free
+    from tierstore.data.arena.orphans import sweep_orphans
 
-    for path in Path("/dev/shm").glob("tierstore-*"):
-        if lock_is_free(path):
-            path.unlink(missing_ok=True)
+    # Younger files are left for the next module: one may be a moment from its lock.
+    sweep_orphans(Path("/dev/shm"), min_age_s=_SWEEP_AGE_S)

@@ -40,7 +40,7 @@ def test_a_load_is_served_while_a_store_waits_on_admit(
     pending = store.store(NS, 0, 1, new_entries, new)  # waits on the stalled admit
     try:
         # Before the concurrency groups this load queued behind the store, and timed out.
-        data, metas = store.load(NS, 0, [held_key]).result()
+        (data,), metas = store.load(NS, 0, [held_key]).result()
         assert bytes(data) == bytes(held) and metas[0].digest == digest(held)
         assert store.status().result()["node_id"] == node  # answered too
         ready, _ = ray.wait([pending.ref], timeout=0)
@@ -49,5 +49,5 @@ def test_a_load_is_served_while_a_store_waits_on_admit(
         release.touch()
     stall.result()
     assert pending.result() == 1
-    data, _ = store.load(NS, 0, [new_key]).result()
+    (data,), _ = store.load(NS, 0, [new_key]).result()
     assert bytes(data) == bytes(new)

@@ -97,8 +97,8 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
     )
     assert all(w == {0: a} for _, w in _lookup(evictor, a))  # A still serves itself
     store_b = NodeStoreClient(find_node_store(NAMESPACE, b), b)
-    data, _ = store_b.load(NS, 0, KEYS).result()
-    assert np.array_equal(data, payload)  # the same bytes, from B
+    shards, _ = store_b.load(NS, 0, KEYS).result()
+    assert np.array_equal(np.concatenate(shards), payload)  # the same bytes, from B
     status_b = store_b.status().result()
     assert status_b["stats"]["replicas_received"] == len(KEYS)
     assert status_b["cpu"]["chunks"] == len(KEYS)
@@ -139,6 +139,6 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
     wait_for(settled, "node A forgotten and B's copies indexed", _WAIT_S)
     head = ray.get_runtime_context().get_node_id()
     assert all(s is LookupState.HIT and w == {0: b} for s, w in _lookup(evictor, head))
-    data, _ = store_b.load(NS, 0, KEYS).result()
-    assert np.array_equal(data, payload)
+    shards, _ = store_b.load(NS, 0, KEYS).result()
+    assert np.array_equal(np.concatenate(shards), payload)
     assert evictor.status().result()["chunks"] == len(KEYS)

@@ -3,9 +3,7 @@ restart, and a file-backed fallback when /dev/shm is short of room."""
 
 from __future__ import annotations
 
-import os
 import stat
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,6 @@ from tierstore.data.arena.region import (
     ArenaRegion,
     RegionInfo,
     arena_file_name,
-    remove_orphans,
 )
 
 MiB = 1 << 20
@@ -102,19 +99,3 @@ def test_views_outside_the_arena_are_refused(node: str, regions: list[ArenaRegio
     with pytest.raises(ValueError, match="outside"):
         region.view(MiB - 2, 4)
     assert isinstance(region.view(0, 0), np.ndarray)
-
-
-def test_orphaned_arenas_of_the_namespace_are_removed(tmp_path: Path) -> None:
-    """A NodeStore killed on a node whose id never returns leaves its file; the next
-    NodeStore of the namespace on this machine removes it, and never a live one."""
-    live = ArenaRegion(tmp_path / arena_file_name("ns-orphan", "live"), MiB)
-    orphan = tmp_path / arena_file_name("ns-orphan", "dead")
-    orphan.write_bytes(b"\0" * 4096)
-    other = tmp_path / arena_file_name("zz-other", "dead")
-    other.write_bytes(b"\0" * 4096)
-    old = time.time() - 3600
-    for path in (live.path, orphan, other):
-        os.utime(path, (old, old))
-    assert remove_orphans(tmp_path, "ns-orphan") == 1
-    assert live.path.exists() and not orphan.exists() and other.exists()
-    live.close()

@@ -23,7 +23,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -40,6 +40,8 @@ from tierstore.store.stats import NodeStoreStats, tier_status
 __all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardEntry"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ShardEntry(NamedTuple):
@@ -272,19 +274,28 @@ class NodeStoreCore(Replicas):
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> tuple[np.ndarray, list[ShardMeta]]:
-        """The shards of ``keys``, back to back in one buffer, each verified first.
+        """The shards of ``keys``, back to back in one new buffer, each verified first."""
+        return self.load_views(namespace, rank, keys, _concatenate)
+
+    def load_views(
+        self,
+        namespace: Namespace,
+        rank: int,
+        keys: list[ChunkKey],
+        put: Callable[[list[np.ndarray]], T],
+    ) -> tuple[T, list[ShardMeta]]:
+        """``put`` of the shards of ``keys`` (views of their extents, in key order), each
+        verified first, and their metas. ``put`` runs while no extent it sees can be
+        reused, and must copy out what it keeps (the actor: one ``ray.put``).
 
         Data threads, several at once. Waits on no other call and holds no lock while
-        it copies; a shard dropped meanwhile raises ChunkNotFoundError or, if its disk
+        ``put`` copies; a shard dropped meanwhile raises ChunkNotFoundError or, if its disk
         file vanished under the read, ChunkCorruptError: never other bytes."""
-        with self.cpu.reading():  # no extent read here is reused until the copy is done
+        with self.cpu.reading():  # no extent read here is reused until put returns
             shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
-            out = np.empty(sum(s.meta.nbytes for s in shards), dtype=np.uint8)
-            offset = 0
-            for shard in shards:
-                out[offset : offset + shard.meta.nbytes] = shard.data
-                offset += shard.meta.nbytes
-        self._count(loaded_shards=len(shards), loaded_bytes=offset)
+            out = put([s.data for s in shards])
+        nbytes = sum(s.meta.nbytes for s in shards)
+        self._count(loaded_shards=len(shards), loaded_bytes=nbytes)
         return out, [s.meta for s in shards]
 
     def _held(self, shard_id: ShardId) -> StoredShard:
@@ -342,3 +353,7 @@ def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:
     return ShardOffer(
         shard_id.namespace, shard_id.key, shard_id.rank, meta.world_size, meta.nbytes, meta.parent
     )
+
+
+def _concatenate(views: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)

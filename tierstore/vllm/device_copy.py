@@ -39,7 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tierstore.data.copy_plan import CopyPlanner
+from tierstore.data.copy_plan import CopyPlan, CopyPlanner, window
 from tierstore.data.extent_copy import Run, gather_into, scatter_from
 from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.host_copy import HostExecutor
@@ -57,10 +57,12 @@ class Scatter:
         run: Callable[[np.ndarray], None],
         from_extents: FromExtents | None = None,
         hashes: bool = False,
+        from_pieces: Callable[[Sequence[tuple[int, np.ndarray]]], None] | None = None,
     ) -> None:
         self._run = run
         self._from_extents = from_extents
         self._hashes = hashes
+        self._from_pieces = from_pieces
 
     def __call__(self, data: np.ndarray) -> None:
         self._run(data)
@@ -85,6 +87,19 @@ class Scatter:
         if self._from_extents is None:
             raise NotImplementedError("this copier scatters from one buffer only")
         return self._from_extents(arena, runs)
+
+    @property
+    def pieces_in_place(self) -> bool:
+        """Whether :meth:`from_pieces` works (the host executor)."""
+        return self._from_pieces is not None
+
+    def from_pieces(self, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
+        """Scatter from separate buffers, each the job's bytes from a chunk boundary
+        ``(job offset, bytes)`` on (the shards of a fetched object, read in place). The
+        caller checks that they cover the job once."""
+        if self._from_pieces is None:
+            raise NotImplementedError("this copier scatters from one buffer only")
+        self._from_pieces(pieces)
 
 
 EMPTY_BUFFER = np.empty(0, dtype=np.uint8)
@@ -207,7 +222,15 @@ class HostCopier(DeviceCopier):
             functools.partial(self._executor.scatter, copy_plan),
             functools.partial(scatter_from, self._executor, copy_plan),
             hashes=True,
+            from_pieces=functools.partial(_scatter_pieces, self._executor, copy_plan),
         )
+
+
+def _scatter_pieces(
+    executor: HostExecutor, plan: CopyPlan, pieces: Sequence[tuple[int, np.ndarray]]
+) -> None:
+    for lo, piece in pieces:
+        executor.scatter(window(plan, lo, lo + piece.nbytes), piece)
 
 
 def make_copier(layout: ChunkLayout) -> DeviceCopier:

@@ -3,14 +3,17 @@
 Runtime rules (vLLM's model-runner thread calls every method):
 - ``submit_*`` never wait on Ray. A store's pages are gathered at submit (on CUDA: a
   copy queued after the compute stream), so the source blocks are free once that copy
-  ends; putting the bytes and the NodeStore's acknowledgement happen on a transfer thread.
+  ends; putting the bytes and the NodeStore's acknowledgement happen on other threads.
 - a store is gathered straight into extents of the node's shared arena when the
   worker's pool of granted extents has them, and a same-node load scatters straight
   from pinned extents (:mod:`tierstore.vllm.arena_jobs`; on CUDA the arena is first
   registered for DMA, ``cudaHostRegister``); otherwise (no arena, an empty pool,
-  another node, an arena CUDA would not register) bytes go through the object store.
-- a store is reported finished only once the NodeStore holds it; a load only once its
-  bytes were verified (length, slot coverage, xxh3) and are in the destination blocks.
+  another node, an arena CUDA would not register) bytes go through the object store
+  (:mod:`tierstore.vllm.object_loads`: one copy in, read in place, scattered per shard).
+- a store is reported finished once its bytes are out of the KV blocks and owned by the
+  store: in arena extents (their commit follows, batched: :meth:`wait_stored`) or held
+  by the NodeStore (the object-store path). A load only once its bytes were verified
+  (length, slot coverage, xxh3) and are in the destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
   another copy the Evictor knows of (a hot chunk's copy, or the holder that adopted it).
 - a load that still fails (no other copy; a checksum mismatch) is reported as
@@ -27,7 +30,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
 
 import numpy as np
 from typing_extensions import override
@@ -40,62 +42,19 @@ from vllm.v1.kv_offload.base import (
 
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
-from tierstore.data.tiers.base import ShardMeta
-from tierstore.errors import ChunkCorruptError, TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.errors import TierStoreError
 from tierstore.store.node_store import ShardEntry
-from tierstore.store.ports import Reply
 from tierstore.vllm.arena_jobs import ArenaJobs, Commit, Filled
 from tierstore.vllm.commit_queue import BatchQueue
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
+from tierstore.vllm.object_loads import ObjectLoads
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
-from tierstore.vllm.worker_arena import ArenaCalls, WorkerArena
+from tierstore.vllm.worker_arena import WorkerArena
+from tierstore.vllm.worker_ports import NodeStoreCalls, WorkerPorts
 
 logger = logging.getLogger(__name__)
 
-_Loading = Reply[tuple[np.ndarray, list[ShardMeta]]]
-
-
-class NodeStoreCalls(ArenaCalls, Protocol):
-    """One node's NodeStore (its client): each call is sent at once; ``result`` waits."""
-
-    def store(
-        self,
-        namespace: Namespace,
-        rank: int,
-        world_size: int,
-        entries: list[ShardEntry],
-        buffer: np.ndarray,
-    ) -> Reply[int]: ...
-
-    def load(
-        self, namespace: Namespace, rank: int, keys: list[ChunkKey]
-    ) -> Reply[tuple[np.ndarray, list[ShardMeta]]]: ...
-
-
-class WorkerPorts(Protocol):
-    """What a worker needs of the cluster; called on transfer threads only. Injected by
-    the composition root (``tierstore.spec.connect_worker``)."""
-
-    local_node: NodeId
-
-    def node_store(self, node: NodeId) -> NodeStoreCalls:
-        """The NodeStore of ``node`` (looked up once, until forgotten)."""
-        ...
-
-    def forget_node_store(self, node: NodeId) -> None:
-        """A call to it failed: it may have been replaced, look it up again next time."""
-        ...
-
-    def report_failed_stores(self, n_jobs: int) -> None:
-        """Store jobs lost (vLLM has no failure path to count them by)."""
-        ...
-
-    def locate(
-        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: NodeId
-    ) -> list[NodeId | None]:
-        """Per key, another node holding ``rank``'s shard, if any."""
-        ...
+__all__ = ["NodeStoreCalls", "TierStoreWorker", "WorkerPorts"]
 
 
 class TierStoreWorker(OffloadingWorker):
@@ -122,8 +81,8 @@ class TierStoreWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
-        self.relocated_loads = 0  # load jobs served (in part) by another copy
         self._commits = BatchQueue(self._send_commits, "tierstore-commit")
+        self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
         self.arena = ArenaJobs(
             self._copier,
             ports.local_node,
@@ -263,116 +222,14 @@ class TierStoreWorker(OffloadingWorker):
     def _load(
         self, job_id: int, spec: LoadSpec, scatter: Scatter, plan: JobPlan, started: float
     ) -> TransferResult:
-        if self.arena.load(spec, plan, scatter):  # same node: from the arena
-            return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
-        by_node = spec.keys_by_node(self._rank)
-        calls = {node: self._call_load(spec, node, idx) for node, idx in by_node.items()}
-        if len(calls) == 1:  # the common case: the buffer is already in job order
-            ((node, call),) = calls.items()
-            data, metas = self._fetch_from(spec, node, by_node[node], call)
-            self._verify(spec, plan, list(range(len(spec.keys))), data, metas)
-        else:
-            data = np.empty(plan.nbytes, dtype=np.uint8)
-            for node, call in calls.items():
-                idx = by_node[node]
-                part, metas = self._fetch_from(spec, node, idx, call)
-                self._verify(spec, plan, idx, part, metas, into=data)
-        scatter(data)
+        if not self.arena.load(spec, plan, scatter):  # same node: the arena
+            self._objects.load(spec, plan, scatter)  # else through the object store
         return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
 
-    def _call_load(self, spec: LoadSpec, node: NodeId, idx: list[int]) -> _Loading | Exception:
-        """The NodeStore call for ``idx`` (sent now, so the nodes work in parallel), or why
-        it could not be sent."""
-        try:
-            return self._ports.node_store(node).load(
-                spec.namespace, self._rank, [spec.keys[i] for i in idx]
-            )
-        except Exception as exc:  # e.g. no NodeStore on that node any more
-            return exc
-
-    def _fetch_from(
-        self, spec: LoadSpec, node: NodeId, idx: list[int], call: _Loading | Exception
-    ) -> tuple[np.ndarray, list[ShardMeta]]:
-        """The shards of ``idx`` from ``node``; if that fails, from other copies, once."""
-        try:
-            if isinstance(call, Exception):
-                raise call
-            return call.result(self._timeout_s)
-        except Exception as error:
-            self._ports.forget_node_store(node)
-            return self._fetch_elsewhere(spec, node, idx, error)
-
-    def _fetch_elsewhere(
-        self, spec: LoadSpec, failed: NodeId, idx: list[int], error: Exception
-    ) -> tuple[np.ndarray, list[ShardMeta]]:
-        keys = [spec.keys[i] for i in idx]
-        try:
-            nodes = self._ports.locate(spec.namespace, keys, self._rank, failed)
-        except Exception:
-            logger.warning("could not ask the Evictor for other copies", exc_info=True)
-            nodes = [None]
-        if any(node is None for node in nodes):
-            raise TierStoreError(
-                f"load of {len(keys)} chunks from node {failed} failed and not every chunk "
-                f"has another copy: {error}"
-            ) from error
-        positions: dict[NodeId, list[int]] = {}
-        for position, node in enumerate(nodes):
-            positions.setdefault(NodeId(node), []).append(position)  # type: ignore[arg-type]
-        pieces: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * len(keys)
-        metas: list[ShardMeta | None] = [None] * len(keys)
-        for node, at in positions.items():
-            part, part_metas = (
-                self._ports.node_store(node)
-                .load(spec.namespace, self._rank, [keys[p] for p in at])
-                .result(self._timeout_s)
-            )
-            offset = 0
-            for p, meta in zip(at, part_metas, strict=True):
-                pieces[p], metas[p] = part[offset : offset + meta.nbytes], meta
-                offset += meta.nbytes
-        logger.warning(
-            "node %s failed a load (%s); %d chunks came from other copies on %s",
-            failed,
-            error,
-            len(keys),
-            sorted(positions),
-        )
-        self.relocated_loads += 1
-        return np.concatenate(pieces), [m for m in metas if m is not None]
-
-    @staticmethod
-    def _verify(
-        spec: LoadSpec,
-        plan: JobPlan,
-        indices: list[int],
-        part: np.ndarray,
-        metas: list[ShardMeta],
-        into: np.ndarray | None = None,
-    ) -> None:
-        """Check each shard before a byte of it reaches the KV cache."""
-        offset = 0
-        for i, meta in zip(indices, metas, strict=True):
-            chunk = plan.chunks[i]
-            key = spec.keys[i].hex()
-            if meta.nbytes != chunk.nbytes:
-                raise ChunkCorruptError(
-                    f"chunk {key}: {meta.nbytes} bytes stored, this engine's layout needs "
-                    f"{chunk.nbytes}"
-                )
-            if chunk.slot_mask & ~meta.slot_mask:
-                raise ChunkCorruptError(
-                    f"chunk {key}: load needs slots {chunk.slot_mask:#x}, only "
-                    f"{meta.slot_mask:#x} were stored"
-                )
-            shard = part[offset : offset + meta.nbytes]
-            if digest(shard) != meta.digest:
-                raise ChunkCorruptError(f"chunk {key}: checksum mismatch; not loading it")
-            if into is not None:
-                into[chunk.offset : chunk.offset + chunk.nbytes] = shard
-            offset += meta.nbytes
-        if offset != part.nbytes:
-            raise ChunkCorruptError(f"load buffer has {part.nbytes} bytes, shards cover {offset}")
+    @property
+    def relocated_loads(self) -> int:
+        """Load jobs served (in part) by another copy."""
+        return self._objects.relocated
 
     # ---- completion ------------------------------------------------------------------------
     def _plan(self, spec: GPULoadStoreSpec, n_keys: int, job_id: int) -> JobPlan:

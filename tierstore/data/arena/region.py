@@ -24,14 +24,13 @@ import logging
 import mmap
 import os
 import re
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tierstore.data.arena.locks import lock_is_free
+from tierstore.data.arena.orphans import sweep_orphans
 from tierstore.errors import TierStoreError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +39,6 @@ SHM_DIR = Path("/dev/shm")
 PAGE = mmap.PAGESIZE
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _FILE_MODE = 0o600
-_ORPHAN_AGE_S = 60.0
 
 
 class ArenaError(TierStoreError):
@@ -141,7 +139,7 @@ class ArenaRegion(_Mapping):
         name = arena_file_name(namespace, node_id)
         for directory in (shm_dir, fallback_dir):
             if directory is not None and directory.is_dir():
-                remove_orphans(directory, namespace)
+                sweep_orphans(directory)  # any namespace's, not only ours
         stale = shm_dir / name
         # A stale file of our own name does not count against the room: it is replaced.
         reclaimable = stale.stat().st_size if stale.is_file() else 0
@@ -185,25 +183,6 @@ class ArenaRegion(_Mapping):
             pass
         os.close(self._fd)
         self._fd = None
-
-
-def remove_orphans(directory: Path, namespace: str) -> int:
-    """Remove arenas (and holder lock files) of ``namespace`` whose process died without
-    closing them: a NodeStore killed on a node whose id never comes back would
-    otherwise leave its arena in /dev/shm until reboot. Returns files removed."""
-    removed = 0
-    settled = time.time() - _ORPHAN_AGE_S  # a file being created is not locked yet
-    for path in directory.glob(f"{arena_file_name(namespace, '')}*"):
-        try:
-            if path.is_symlink() or not path.is_file() or path.stat().st_mtime > settled:
-                continue
-        except OSError:
-            continue
-        if lock_is_free(path):
-            logger.info("removing orphaned arena file %s", path)
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
 
 
 class ArenaMapping(_Mapping):

@@ -1,0 +1,78 @@
+"""The orphan sweep on real files in a directory standing for /dev/shm: arenas and holder
+files of any namespace whose lock nobody holds go; a live NodeStore's arena, a live
+worker's holder file, a young file and files that are not ours stay."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import holder_process
+from tierstore.data.arena.orphans import sweep_orphans
+from tierstore.data.arena.region import ArenaRegion, arena_file_name
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def _age(*paths: Path) -> None:
+    old = time.time() - 3600
+    for path in paths:
+        os.utime(path, (old, old))
+
+
+def _orphan(path: Path, nbytes: int) -> Path:
+    path.write_bytes(b"\0" * nbytes)
+    path.chmod(0o600)
+    return path
+
+
+def test_orphans_of_every_namespace_go_and_live_files_stay(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    live = ArenaRegion(tmp_path / arena_file_name("ns-a", "live"), MiB)
+    proc, holder = holder_process(str(live.path))
+    try:
+        held = Path(f"{live.path}.holder-{holder}.lock")
+        assert held.exists()
+        dead_a = _orphan(tmp_path / arena_file_name("ns-a", "dead"), 64 * KiB)
+        dead_b = _orphan(tmp_path / arena_file_name("other.ns", "gone"), 128 * KiB)
+        dead_holder = _orphan(Path(f"{dead_b}.holder-{'ab' * 16}.lock"), 0)
+        not_ours = _orphan(tmp_path / "tierstore-heavy.lock", 0)  # the tests' flock file
+        odd_size = _orphan(tmp_path / arena_file_name("ns-c", "log"), 100)
+        young = _orphan(tmp_path / arena_file_name("ns-d", "new"), 4 * KiB)
+        _age(live.path, held, dead_a, dead_b, dead_holder, not_ours, odd_size)
+
+        with caplog.at_level(logging.INFO, logger="tierstore.data.arena.orphans"):
+            swept = sweep_orphans(tmp_path)
+
+        assert sorted(swept.paths) == sorted([dead_a, dead_b, dead_holder])
+        assert swept.nbytes == 192 * KiB
+        assert "196608 bytes" in caplog.text
+        for path in (live.path, held, not_ours, odd_size, young):
+            assert path.exists(), path
+        for path in (dead_a, dead_b, dead_holder):
+            assert not path.exists(), path
+    finally:
+        proc.kill()
+        proc.wait()
+    # The worker died: its holder file is an orphan now, like any other.
+    assert sweep_orphans(tmp_path).paths == [held]
+    assert live.path.exists()
+    live.close()
+
+
+def test_a_new_nodestore_sweeps_other_namespaces(tmp_path: Path) -> None:
+    """ArenaRegion.create (a NodeStore's start) sweeps its directory, any namespace."""
+    dead = _orphan(tmp_path / arena_file_name("ns-gone", "n1"), 64 * KiB)
+    _age(dead)
+    region = ArenaRegion.create("ns-new", "n2", MiB, shm_dir=tmp_path)
+    try:
+        assert not dead.exists()
+        assert region.path.parent == tmp_path
+    finally:
+        region.close()

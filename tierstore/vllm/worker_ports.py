@@ -1,0 +1,59 @@
+"""What a worker needs of the cluster, as Protocols: its NodeStores and the Evictor's
+answers. The actors implement them (``tierstore.actors.worker_ports``,
+``tierstore.actors.clients.NodeStoreClient``); ``tests/actors/test_ports.py`` holds the
+two to the same names and parameters."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from tierstore.data.tiers.base import ShardMeta
+from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.store.node_store import ShardEntry
+from tierstore.store.ports import Reply
+from tierstore.vllm.worker_arena import ArenaCalls
+
+# A load's answer: the shards (read-only arrays, in key order) and their metas.
+Loaded = tuple[list[np.ndarray], list[ShardMeta]]
+
+
+class NodeStoreCalls(ArenaCalls, Protocol):
+    """One node's NodeStore (its client): each call is sent at once; ``result`` waits."""
+
+    def store(
+        self,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+        buffer: np.ndarray,
+    ) -> Reply[int]: ...
+
+    def load(self, namespace: Namespace, rank: int, keys: list[ChunkKey]) -> Reply[Loaded]: ...
+
+
+class WorkerPorts(Protocol):
+    """What a worker needs of the cluster; called on transfer threads only. Injected by
+    the composition root (``tierstore.spec.connect_worker``)."""
+
+    local_node: NodeId
+
+    def node_store(self, node: NodeId) -> NodeStoreCalls:
+        """The NodeStore of ``node`` (looked up once, until forgotten)."""
+        ...
+
+    def forget_node_store(self, node: NodeId) -> None:
+        """A call to it failed: it may have been replaced, look it up again next time."""
+        ...
+
+    def report_failed_stores(self, n_jobs: int) -> None:
+        """Store jobs lost (vLLM has no failure path to count them by)."""
+        ...
+
+    def locate(
+        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: NodeId
+    ) -> list[NodeId | None]:
+        """Per key, another node holding ``rank``'s shard, if any."""
+        ...
