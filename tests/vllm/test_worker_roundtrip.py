@@ -49,9 +49,6 @@ def _drain(worker: TierStoreWorker, n_jobs: int) -> list[int]:
         return len(done) >= n_jobs
 
     poll(all_done, 30, poll_s=0.01)
-    # A store through the arena is done once its bytes are in place; its commit (and so
-    # the Evictor's index) follows: the tests look its chunks up next.
-    assert worker.wait_stored(30), "store commits were not acknowledged"
     return done
 
 

@@ -1,12 +1,12 @@
 """Stores and same-node loads through the node's arena: one copy each way.
 
-A store gathers its pages straight into extents the worker was granted ahead of time
-(at submit, on the model-runner thread, no round trip), hashing each piece as it copies
-it; the job is then done, and its commit goes to the NodeStore later, batched with
-others (:mod:`tierstore.vllm.commit_queue`); the NodeStore adopts the extents as they
-are, no copy, no second hash. A same-node load pins its shards' extents, scatters
-straight from the mapping, hashing as it copies, and is done only if every digest
-matched; then it unpins (one-way).
+A store gathers its pages straight into extents the worker was granted ahead of time (at
+submit, on the model-runner thread, no round trip), hashing each piece as it copies it;
+its commit goes to the NodeStore from one sender thread, batched with others
+(:mod:`tierstore.vllm.commit_queue`), and the job is done once answered; the NodeStore
+adopts the extents as they are, no copy, no second hash. A same-node load pins its
+shards' extents, scatters straight from the mapping, hashing as it copies, and is done
+only if every digest matched; then it unpins (one-way).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import numpy as np
+from vllm.v1.kv_offload.base import TransferResult
 
 from tierstore.data.checksum import digest
 from tierstore.data.extent_copy import runs_of
@@ -40,13 +42,15 @@ Filled = tuple[WorkerArena, list[int]]  # the arena a store gathered into, its e
 
 @dataclass(frozen=True)
 class Commit:
-    """A store job gathered into extents and reported done; its commit not sent yet."""
+    """A store job gathered into extents, its commit waiting to be sent in a batch;
+    ``done`` is the job's result, set once the NodeStore answered (or the commit failed)."""
 
     job_id: int
     filled: Filled
     spec: StoreSpec
     plan: JobPlan
-    digests: list[int] | None  # each chunk's, if the copy hashed as it went
+    gathered: Gathered  # its digests: each chunk's, if the copy hashed as it went
+    done: Future[TransferResult] = field(default_factory=Future)
 
 
 class ArenaJobs:
@@ -164,7 +168,7 @@ class ArenaJobs:
     def _entries(commit: Commit) -> list[ShardEntry]:
         (arena, offsets), spec, plan = commit.filled, commit.spec, commit.plan
         parents = spec.parents or (None,) * len(spec.keys)
-        digests = commit.digests
+        digests = commit.gathered.digests
         if digests is None:
             view = arena.array
             pairs = zip(plan.chunks, offsets, strict=True)

@@ -10,10 +10,9 @@ Runtime rules (vLLM's model-runner thread calls every method):
   registered for DMA, ``cudaHostRegister``); otherwise (no arena, an empty pool,
   another node, an arena CUDA would not register) bytes go through the object store
   (:mod:`tierstore.vllm.object_loads`: one copy in, read in place, scattered per shard).
-- a store is reported finished once its bytes are out of the KV blocks and owned by the
-  store: in arena extents (their commit follows, batched: :meth:`wait_stored`) or held
-  by the NodeStore (the object-store path). A load only once its bytes were verified
-  (length, slot coverage, xxh3) and are in the destination blocks.
+- a store is reported finished only once the NodeStore holds it (arena commits go in
+  batches from one sender thread); a load only once its bytes were verified (length,
+  slot coverage, xxh3) and are in the destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
   another copy the Evictor knows of (a hot chunk's copy, or the holder that adopted it).
 - a load that still fails (no other copy; a checksum mismatch) is reported as
@@ -44,7 +43,7 @@ from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.errors import TierStoreError
 from tierstore.store.node_store import ShardEntry
-from tierstore.vllm.arena_jobs import ArenaJobs, Commit, Filled
+from tierstore.vllm.arena_jobs import ArenaJobs, Commit
 from tierstore.vllm.commit_queue import BatchQueue
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
 from tierstore.vllm.object_loads import ObjectLoads
@@ -104,45 +103,59 @@ class TierStoreWorker(OffloadingWorker):
         extents, gathered = filled or (None, self._copier.gather(plan, src_spec.block_ids))
         with self._lock:
             self._gathers[job_id] = gathered
-        args = (job_id, dst_spec, plan, gathered, extents)
-        if extents is not None and gathered.copied():  # in the arena: only a commit to queue
-            done: Future[TransferResult] = Future()
-            done.set_result(self._store(*args))
-            self._track(job_id, done)
-        else:
-            self._track(job_id, self._pool.submit(self._store, *args))
+        if extents is None:
+            self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered))
+            return True
+        commit = Commit(job_id, extents, dst_spec, plan, gathered)
+        self._track(job_id, commit.done)  # done once the NodeStore answered its batch
+        if gathered.copied():  # host copies: already in the extents
+            self._queue_commit(commit)
+        else:  # a device copy still running: queue it from a transfer thread once done
+            self._pool.submit(lambda: (gathered.wait_copied(), self._queue_commit(commit)))
         return True
 
     def _store(
-        self,
-        job_id: int,
-        spec: StoreSpec,
-        plan: JobPlan,
-        gathered: Gathered,
-        extents: Filled | None,
+        self, job_id: int, spec: StoreSpec, plan: JobPlan, gathered: Gathered
     ) -> TransferResult:
+        """Transfer thread: the object-store path (no arena extents at hand)."""
         buffer = gathered()
         try:
-            if extents is None:
-                self._put(spec, plan, buffer)
-            else:  # acknowledged later, batched: the bytes are in place already
-                self._commits.put(Commit(job_id, extents, spec, plan, gathered.digests))
+            self._put(spec, plan, buffer)
         except Exception as exc:
             self._store_failed(job_id, len(plan.chunks), exc)
         # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
         return TransferResult(job_id, True, plan.nbytes, gathered.copy_seconds)
 
+    def _queue_commit(self, commit: Commit) -> None:
+        """Any thread; never blocks. Every commit's job ends done, sent or not."""
+        try:
+            self._commits.put(commit)
+        except Exception as exc:  # shut down
+            self._store_failed(commit.job_id, len(commit.plan.chunks), exc)
+            self._end_commits([commit])
+
     def _send_commits(self, batch: list[Commit]) -> None:
         """Commit thread: one call for the queued commits; a NodeStore with a new arena
-        (restarted) gets those jobs' bytes through the object store."""
-        stale, failed = self.arena.commit(batch)
-        for c in stale:
-            try:
-                self._put(c.spec, c.plan, self.arena.job_bytes(c.filled, c.plan))
-            except Exception as exc:
-                failed.append((c, exc))
-        for c, exc in failed:
-            self._store_failed(c.job_id, len(c.plan.chunks), exc)
+        (restarted) gets those jobs' bytes through the object store. Each job is
+        reported done afterwards, whatever happened (a lost store is counted)."""
+        try:
+            stale, failed = self.arena.commit(batch)
+            for c in stale:
+                try:
+                    self._put(c.spec, c.plan, self.arena.job_bytes(c.filled, c.plan))
+                except Exception as exc:
+                    failed.append((c, exc))
+            for c, exc in failed:
+                self._store_failed(c.job_id, len(c.plan.chunks), exc)
+        finally:
+            self._end_commits(batch)
+
+    @staticmethod
+    def _end_commits(batch: list[Commit]) -> None:
+        for c in batch:
+            if not c.done.done():
+                result = TransferResult(c.job_id, True, c.plan.nbytes, c.gathered.copy_seconds)
+                c.done.set_result(result)
 
     def _store_failed(self, job_id: int, n_chunks: int, error: Exception) -> None:
         """A lost store costs a future recompute, never wrong output: the job is
@@ -156,11 +169,6 @@ class TierStoreWorker(OffloadingWorker):
             self._ports.report_failed_stores(1)
         except Exception:  # best effort: the Evictor may be what failed
             logger.debug("could not report the failed store", exc_info=True)
-
-    def wait_stored(self, timeout_s: float) -> bool:
-        """Tests and benchmarks: block until every store reported done so far was
-        acknowledged by its NodeStore (vLLM never needs to); False at the deadline."""
-        return self._commits.wait_idle(timeout_s)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
         parents = spec.parents or (None,) * len(spec.keys)
