@@ -231,9 +231,11 @@ class NodeStoreClient:
         return self._call("arena_unpin", holder, epoch, offsets)
 
     def accept_replicas(
-        self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
+        self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
     ) -> Pending[None]:
-        ref = ray.put(buffer)
+        """Puts the shards' bytes (one array each) into one object, copied before this
+        returns; this process owns it until the call answers."""
+        ref = ray.put(views)
         return self._call("accept_replicas", shards, [ref], keep=ref)
 
     def inventory(self) -> Pending[set[tuple[ShardId, TierName]]]:

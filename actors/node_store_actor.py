@@ -116,14 +116,14 @@ class RayPeers:
         self._namespace = namespace
 
     def accept_replicas(
-        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
+        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
     ) -> None:
         try:
             store = ray.get_actor(node_store_name(node), namespace=self._namespace)
         except ValueError:
             logger.warning("no NodeStore on node %s; replicas not sent", node)
             return  # the node is gone: the Evictor forgets its replicas with it
-        NodeStoreClient(store, node).accept_replicas(shards, buffer)
+        NodeStoreClient(store, node).accept_replicas(shards, views)
 
 
 def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
@@ -258,7 +258,7 @@ class NodeStore:
     ) -> None:
         received = [(shard_id_of(s), meta) for s, meta in shards]
         try:
-            buffer = ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S)
+            views = list(ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S))
         except Exception:  # one-way: nobody else would hear of it
             logger.warning(
                 "replica buffer unreadable; %d replicas not kept", len(shards), exc_info=True
@@ -266,7 +266,7 @@ class NodeStore:
             failed = [shard_id for shard_id, _ in received]
             self._evictor.replicated(self._node_id, [], failed)  # one-way
             return
-        self._core.accept_replicas(received, buffer)
+        self._core.accept_replicas(received, views)
 
     # ---- the arena: same-node workers write and read it in place ---------------------
     @_DATA

@@ -19,7 +19,7 @@ from tierstore.vllm.worker import NodeStoreCalls, WorkerPorts
 # Where a client takes what the actor gets in another form: (method, client's, actor's).
 _CLIENT_CONVERTS = {
     ("store", "buffer"): "buffer_ref",  # the client puts the array; the actor gets [ref]
-    ("accept_replicas", "buffer"): "buffer_ref",
+    ("accept_replicas", "views"): "buffer_ref",  # the client puts the arrays in one object
 }
 # Port methods with no actor behind them (local bookkeeping of the adapter).
 _LOCAL = {"node_store", "forget_node_store"}

@@ -74,9 +74,9 @@ class LocalEvictor:
         self.deliver(self.index.replicated(node, done, failed))
 
     # The PeerPort too: replica pushes reach the other core at once.
-    def accept_replicas(self, node: NodeId, shards, buffer) -> None:  # type: ignore[no-untyped-def]
+    def accept_replicas(self, node: NodeId, shards, views) -> None:  # type: ignore[no-untyped-def]
         if node in self.cores:
-            self.cores[node].accept_replicas(shards, buffer)
+            self.cores[node].accept_replicas(shards, views)
 
     def start_node(self, node: NodeId, root: Path, cpu_bytes: int, disk_bytes: int) -> None:
         """A node with empty tiers (again, after a loss: the old files went with it)."""

@@ -42,8 +42,9 @@ class EvictorPort(Protocol):
 
 
 class PeerPort(Protocol):
-    """How a NodeStore hands replica shards to another node's NodeStore: one-way."""
+    """How a NodeStore hands replica shards to another node's NodeStore: one-way. The
+    call copies ``views`` out (into the object store) before it returns."""
 
     def accept_replicas(
-        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray
+        self, node: NodeId, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
     ) -> None: ...

@@ -44,21 +44,26 @@ class Replicas:
         for shard_id, node in pushes:
             by_node.setdefault(NodeId(node), []).append(shard_id_of(shard_id))
         for node, shard_ids in by_node.items():
-            sent: list[tuple[ShardId, StoredShard]] = []
-            failed: list[ShardId] = []
-            for shard_id in shard_ids:
-                shard = self._readable(shard_id)
-                if shard is None or self.peers is None:
-                    failed.append(shard_id)
-                else:
-                    sent.append((shard_id, shard))
-            if sent:
-                assert self.peers is not None
-                buffer = np.concatenate([s.data for _, s in sent])
-                self.peers.accept_replicas(node, [(sid, s.meta) for sid, s in sent], buffer)
-                self._count(replicas_sent=len(sent))
-            if failed:
-                self.evictor.replicated(node, [], failed)
+            with self.cpu.reading():  # no extent read here is reused until they are put
+                self._push_to(node, shard_ids)
+
+    def _push_to(self, node: NodeId, shard_ids: list[ShardId]) -> None:
+        sent: list[tuple[ShardId, StoredShard]] = []
+        failed: list[ShardId] = []
+        for shard_id in shard_ids:
+            shard = self._readable(shard_id)
+            if shard is None or self.peers is None:
+                failed.append(shard_id)
+            else:
+                sent.append((shard_id, shard))
+        if sent:
+            assert self.peers is not None
+            # The extents themselves: the port copies them out once (into the object store).
+            metas = [(sid, s.meta) for sid, s in sent]
+            self.peers.accept_replicas(node, metas, [s.data for _, s in sent])
+            self._count(replicas_sent=len(sent))
+        if failed:
+            self.evictor.replicated(node, [], failed)
 
     def _readable(self, shard_id: ShardId) -> StoredShard | None:
         """The memory or disk copy, if it passes its checksum; a bad one is forgotten."""
@@ -79,17 +84,21 @@ class Replicas:
             self.evictor.forget_shards(self.node_id, [shard_id])
         return None
 
-    def accept_replicas(self, shards: list[tuple[ShardId, ShardMeta]], buffer: np.ndarray) -> None:
-        """Keep replica shards another node pushed, verified; tell the Evictor which."""
+    def accept_replicas(
+        self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
+    ) -> None:
+        """Keep replica shards another node pushed (``views``: one array per shard, maybe
+        read-only views of the fetched object), verified; tell the Evictor which."""
         done: list[ShardId] = []
         failed: list[ShardId] = []
-        offset = 0
-        for shard_id, meta in shards:
+        if len(views) != len(shards):
+            logger.warning("%d arrays for %d replica shards; none kept", len(views), len(shards))
+            views = []
+        for i, (shard_id, meta) in enumerate(shards):
             shard_id = shard_id_of(shard_id)
-            data = buffer[offset : offset + meta.nbytes]
+            data = views[i] if i < len(views) else np.empty(0, dtype=np.uint8)
             if not self.cpu.copies_on_put:
                 data = np.array(data, copy=True)
-            offset += meta.nbytes
             if data.nbytes != meta.nbytes or digest(data) != meta.digest:
                 self._count(corrupt_on_store=1)
                 failed.append(shard_id)
