@@ -1,7 +1,6 @@
 """A job gathered straight into per-chunk extents (and scattered back from them) is
 byte-exact against the layout's gather/scatter of one contiguous buffer, wherever the
-extents lie (back to back, shuffled, or mixed) and however finely the copy is cut into
-pieces; the digests hashed piece by piece during the copy are each chunk's xxh3."""
+extents lie: back to back, shuffled, or mixed."""
 
 from __future__ import annotations
 
@@ -11,9 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.data.test_copy_plan import GEOMETRIES, _case, _job, _reference_gather
-from tierstore.data import extent_copy
 from tierstore.data.arena.allocator import ExtentAllocator
-from tierstore.data.checksum import digest
 from tierstore.data.copy_plan import CopyPlanner
 from tierstore.data.extent_copy import gather_into, runs_of, scatter_from
 from tierstore.data.host_copy import HostExecutor
@@ -41,20 +38,10 @@ def _extents(chunks, rng: np.random.Generator, arena_bytes: int) -> list[int]:
     name=st.sampled_from(sorted(GEOMETRIES)),
     bpc=st.integers(1, 5),
     seed=st.integers(0, 2**16),
-    piece=st.sampled_from([1, 100, 1000, 1 << 20]),
 )
 def test_gather_into_extents_and_scatter_back_are_byte_exact(
-    name: str, bpc: int, seed: int, piece: int
+    name: str, bpc: int, seed: int
 ) -> None:
-    saved = extent_copy.PIECE_BYTES, extent_copy.PIECE_SLOTS
-    extent_copy.PIECE_BYTES, extent_copy.PIECE_SLOTS = piece, 0  # pieces of a page or more
-    try:
-        _round_trip(name, bpc, seed)
-    finally:
-        extent_copy.PIECE_BYTES, extent_copy.PIECE_SLOTS = saved
-
-
-def _round_trip(name: str, bpc: int, seed: int) -> None:
     kv, layout = _case(name, bpc, seed=seed)
     rng = np.random.default_rng(seed)
     sizes, indices, ids = _job(len(layout.groups), rng, 24)
@@ -65,19 +52,18 @@ def _round_trip(name: str, bpc: int, seed: int) -> None:
     runs = runs_of(plan.chunks, offsets)
     executor = HostExecutor(layout)
 
-    digests = gather_into(executor, copy_plan, arena, runs)
+    gather_into(executor, copy_plan, arena, runs)
     expected = _reference_gather(layout, plan, ids)
     for chunk, at in zip(plan.chunks, offsets, strict=True):
         got = arena[at : at + chunk.nbytes]
         assert np.array_equal(got, expected[chunk.offset : chunk.offset + chunk.nbytes])
-    assert digests == [digest(expected[c.offset : c.offset + c.nbytes]) for c in plan.chunks]
 
     dst = rng.permutation(24)[: len(ids)]
     reference = [t.clone() for t in kv]
     ChunkLayout(reference, GEOMETRIES[name][1], bpc).scatter(
         plan, as_index(dst, layout.device), torch.from_numpy(expected.copy())
     )
-    assert scatter_from(executor, CopyPlanner(layout).build(plan, dst), arena, runs) == digests
+    scatter_from(executor, CopyPlanner(layout).build(plan, dst), arena, runs)
     for mine, theirs in zip(kv, reference, strict=True):
         assert torch.equal(mine, theirs)
 

@@ -71,10 +71,10 @@ def test_a_store_and_a_load_go_through_the_arena_byte_exact(cfg: TierStoreConfig
     assert status["arena"]["granted_bytes"] == 0
 
 
-def test_a_corrupt_extent_fails_the_load_it_was_copied_by(cfg: TierStoreConfig) -> None:
-    """The same-node load hashes each piece as it copies it; a shard whose extent changed
-    after its commit fails that check, and the load through the object store fails it
-    again: the job is reported failed (its request recomputes), never done."""
+def test_a_corrupt_extent_fails_the_load_and_is_never_scattered(cfg: TierStoreConfig) -> None:
+    """A shard whose extent changed after its commit fails the same-node load's check
+    (nothing is copied) and the object store's again: the job is reported failed (its
+    request recomputes), never done, and no byte reached the KV cache."""
     kv = _kv()
     worker = _worker(cfg, kv)
     _store(worker, 1, 0)
@@ -82,9 +82,11 @@ def test_a_corrupt_extent_fails_the_load_it_was_copied_by(cfg: TierStoreConfig) 
     keys = _store(worker, 2, 10)
     assert worker.arena.arena_stores >= 1
     _node_store().corrupt_in_memory_for_test(NS, keys[1], 0).result()
+    before = [t.clone() for t in kv]
     worker.submit_load(3, _load_spec(cfg, keys), DST)
     worker.wait({3})
     assert worker.get_finished() == [TransferResult(3, False)]
+    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
     assert worker.arena.arena_rejected == 1 and worker.arena.arena_loads == 0
     stats = _node_store().status().result()["stats"]
     assert stats["corrupt_after_hit"] == 1

@@ -1,12 +1,12 @@
 """Stores and same-node loads through the node's arena: one copy each way.
 
 A store gathers its pages straight into extents the worker was granted ahead of time (at
-submit, on the model-runner thread, no round trip), hashing each piece as it copies it;
-its commit goes to the NodeStore from one sender thread, batched with others
+submit, on the model-runner thread, no round trip); the commit thread hashes them and
+sends the commit to the NodeStore, batched with others
 (:mod:`tierstore.vllm.commit_queue`), and the job is done once answered; the NodeStore
 adopts the extents as they are, no copy, no second hash. A same-node load pins its
-shards' extents, scatters straight from the mapping, hashing as it copies, and is done
-only if every digest matched; then it unpins (one-way).
+shards' extents, verifies each digest in the mapping and scatters straight from it,
+then unpins (one-way).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -49,7 +49,7 @@ class Commit:
     filled: Filled
     spec: StoreSpec
     plan: JobPlan
-    gathered: Gathered  # its digests: each chunk's, if the copy hashed as it went
+    gathered: Gathered
     done: Future[TransferResult] = field(default_factory=Future)
 
 
@@ -144,7 +144,7 @@ class ArenaJobs:
 
     def commit(self, batch: list[Commit]) -> tuple[list[Commit], list[tuple[Commit, Exception]]]:
         """Commit thread: hand filled extents to the NodeStore with their digests (hashed
-        here if the copy did not hash as it went), one call per arena and namespace.
+        here, off the model-runner thread), one call per arena and namespace.
         Returns the commits its new arena did not adopt (it restarted: send
         :meth:`job_bytes` instead) and those whose call failed (extents given back)."""
         stale: list[Commit] = []
@@ -168,11 +168,9 @@ class ArenaJobs:
     def _entries(commit: Commit) -> list[ShardEntry]:
         (arena, offsets), spec, plan = commit.filled, commit.spec, commit.plan
         parents = spec.parents or (None,) * len(spec.keys)
-        digests = commit.gathered.digests
-        if digests is None:
-            view = arena.array
-            pairs = zip(plan.chunks, offsets, strict=True)
-            digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
+        view = arena.array
+        pairs = zip(plan.chunks, offsets, strict=True)
+        digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
         return [
             ShardEntry(key, at, c.nbytes, d, c.slot_mask, parent)
             for key, c, at, d, parent in zip(
@@ -221,19 +219,13 @@ class ArenaJobs:
         scatter: Scatter,
         offsets: list[int],
     ) -> bool:
-        """Copy the pinned extents into the load's blocks; False if a shard does not fit
-        the plan or fails its digest. A host scatter hashes each piece right after
-        copying it (the bytes still in cache) and is checked after the copy: the load is
-        not reported done, and on False the caller loads through the object store,
-        whose bytes overwrite these or fail the job (its request then recomputes from
-        scratch, so the written blocks are never read). Other copiers verify first."""
+        """Verify the pinned extents, then copy them into the load's blocks; False (and
+        nothing copied) if a shard does not fit the plan or fails its digest."""
         for chunk, (_, meta) in zip(plan.chunks, pins, strict=True):
             if meta.nbytes != chunk.nbytes or chunk.slot_mask & ~meta.slot_mask:
                 return False
         expected = [meta.digest for _, meta in pins]
         runs = runs_of(plan.chunks, offsets)
-        if scatter.hashes_while_copying:
-            return scatter.from_extents(view, runs) == expected
         if [digest(view[at : at + meta.nbytes]) for at, meta in pins] != expected:
             return False
         scatter.from_extents(view, runs)

@@ -45,7 +45,7 @@ from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.host_copy import HostExecutor
 from tierstore.data.layout import ChunkLayout, JobPlan
 
-FromExtents = Callable[[np.ndarray, Sequence[Run]], "list[int] | None"]
+FromExtents = Callable[[np.ndarray, Sequence[Run]], None]
 
 
 class Scatter:
@@ -56,12 +56,10 @@ class Scatter:
         self,
         run: Callable[[np.ndarray], None],
         from_extents: FromExtents | None = None,
-        hashes: bool = False,
         from_pieces: Callable[[Sequence[tuple[int, np.ndarray]]], None] | None = None,
     ) -> None:
         self._run = run
         self._from_extents = from_extents
-        self._hashes = hashes
         self._from_pieces = from_pieces
 
     def __call__(self, data: np.ndarray) -> None:
@@ -73,20 +71,12 @@ class Scatter:
         arena was registered when the load was submitted."""
         return self._from_extents is not None
 
-    @property
-    def hashes_while_copying(self) -> bool:
-        """Whether :meth:`from_extents` returns the digests of what it copied (the host
-        executor: the caller checks them after the copy, before reporting the load
-        done); otherwise (DMA) the caller verifies the extents before the copy."""
-        return self._hashes
-
-    def from_extents(self, arena: np.ndarray, runs: Sequence[Run]) -> list[int] | None:
+    def from_extents(self, arena: np.ndarray, runs: Sequence[Run]) -> None:
         """Scatter straight from the job's extents in the node's arena; returns once the
-        bytes are in the destination blocks (the extents may be unpinned then), with
-        each chunk's digest of the bytes copied if :attr:`hashes_while_copying`."""
+        bytes are in the destination blocks (the extents may be unpinned then)."""
         if self._from_extents is None:
             raise NotImplementedError("this copier scatters from one buffer only")
-        return self._from_extents(arena, runs)
+        self._from_extents(arena, runs)
 
     @property
     def pieces_in_place(self) -> bool:
@@ -123,13 +113,10 @@ class Gathered:
         buffer: np.ndarray,
         copy: DeviceCopy | None,
         seconds: float = 0.0,
-        digests: list[int] | None = None,
     ) -> None:
         self._buffer = buffer
         self._copy = copy
         self._seconds = seconds
-        # Each chunk's digest when the copy hashed as it went (host gathers into extents).
-        self.digests = digests
 
     def __call__(self) -> np.ndarray:
         """The job's bytes once copied; from then on the source blocks may be overwritten."""
@@ -211,8 +198,8 @@ class HostCopier(DeviceCopier):
         self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
     ) -> Gathered:
         started = time.perf_counter()
-        digests = gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
-        return Gathered(EMPTY_BUFFER, None, time.perf_counter() - started, digests)
+        gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
+        return Gathered(EMPTY_BUFFER, None, time.perf_counter() - started)
 
     def prepare_scatter(
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False
@@ -221,7 +208,6 @@ class HostCopier(DeviceCopier):
         return Scatter(
             functools.partial(self._executor.scatter, copy_plan),
             functools.partial(scatter_from, self._executor, copy_plan),
-            hashes=True,
             from_pieces=functools.partial(_scatter_pieces, self._executor, copy_plan),
         )
 
