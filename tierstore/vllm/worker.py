@@ -111,8 +111,19 @@ class TierStoreWorker(OffloadingWorker):
         if gathered.copied():  # host copies: already in the extents
             self._queue_commit(commit)
         else:  # a device copy still running: queue it from a transfer thread once done
-            self._pool.submit(lambda: (gathered.wait_copied(), self._queue_commit(commit)))
+            self._pool.submit(self._commit_when_copied, commit)
         return True
+
+    def _commit_when_copied(self, commit: Commit) -> None:
+        """Transfer thread: wait for the device copy, then queue the commit; a copy that
+        failed loses the store (counted), and its job still ends done."""
+        try:
+            commit.gathered.wait_copied()
+        except Exception as exc:
+            self._store_failed(commit.job_id, len(commit.plan.chunks), exc)
+            self._end_commits([commit])
+            return
+        self._queue_commit(commit)
 
     def _store(
         self, job_id: int, spec: StoreSpec, plan: JobPlan, gathered: Gathered
