@@ -128,9 +128,13 @@ class RayPeers:
 
 def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
     """``root`` itself when this is the only NodeStore on the machine (so a restarted
-    cluster, whose node ids are new, finds its chunks), else ``root/node-<id>``."""
+    cluster, whose node ids are new, finds its chunks), else ``root/node-<id>``.
+
+    A node that already has its own directory keeps it: a NodeStore restarted after
+    root's holder left (its node removed) must find its node's chunks, not take root."""
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for path in (root, root / f"node-{node_id}"):
+    own = root / f"node-{node_id}"
+    for path in (own, root) if own.is_dir() else (root, own):
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock = _lock_dir(path, node_id)
         if lock is not None:

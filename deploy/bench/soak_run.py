@@ -141,7 +141,7 @@ def _sweep(server: ApiServer, model: str, reference: dict, injector: Injector, p
 
 
 def _figures(
-    ref: list[Response], load: list[Response], swept: list[Response], inj: Injector
+    ref: list[Response], load: list[Response], swept: list[Response], inj: Injector, unread: int
 ) -> dict[str, Any]:
     reference = answers(ref)
     injected = len(inj.out.corrupted)
@@ -152,7 +152,7 @@ def _figures(
         "corruptions": {
             "injected": injected,
             "detected": inj.ledger.detected,
-            "unread_at_end": inj.out.unread(),
+            "unread_at_end": unread,
         },
         "disk_restart": {
             "acknowledged": inj.out.disk_acknowledged,
@@ -191,12 +191,13 @@ def soak(args: argparse.Namespace, plan: Plan) -> dict[str, Any]:
             )
             injector.join()
             swept = _sweep(server, model, answers(ref), injector, plan)
+            unread = injector.out.unread()  # before the disk tier's tmpfs goes
             status = collect_status(NAMESPACE)["totals"]
             metrics = server.metrics()
         finally:
             injector.done.wait(600)
             server.stop()
-    figures = _figures(ref, load, swept, injector)
+    figures = _figures(ref, load, swept, injector, unread)
     figures.update(
         cluster_totals=status,
         server_metrics=metrics,

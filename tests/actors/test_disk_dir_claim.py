@@ -1,6 +1,7 @@
 """A restarted NodeStore keeps its node's disk directory, even while the killed one's
 process (which holds the directory's lock) has not exited yet; another node's NodeStore
-on the same machine takes a directory of its own at once."""
+on the same machine takes a directory of its own at once, and keeps it when restarted
+after root's holder left."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def test_another_nodes_node_store_takes_a_directory_of_its_own(tmp_path: Path) -
     assert (tmp_path / ".lock").read_text() == "node-a"  # the holder's id is left alone
     lock.close()
     held.close()
+
+
+def test_a_node_with_a_directory_of_its_own_keeps_it_after_roots_holder_left(
+    tmp_path: Path,
+) -> None:
+    held = _hold(tmp_path, "node-a")
+    path, lock = _claim_disk_dir(tmp_path, "node-b")
+    assert path == tmp_path / "node-node-b"
+    (path / "chunk").write_bytes(b"kept")
+    lock.close()
+    held.close()  # node-a is removed: root is free now
+    path, lock = _claim_disk_dir(tmp_path, "node-b")  # node-b's NodeStore restarts
+    assert path == tmp_path / "node-node-b"
+    assert (path / "chunk").read_bytes() == b"kept"
+    lock.close()
