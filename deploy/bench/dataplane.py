@@ -21,6 +21,7 @@ import ray
 import torch
 from tierstore.actors.bootstrap import get_or_create_evictor
 from tierstore.actors.clients import EvictorClient
+from tierstore.actors.names import node_store_name
 from tierstore.deploy.bench import hostcopy, plots
 from tierstore.deploy.bench.common import ray_session
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
@@ -34,6 +35,7 @@ from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 NS = Namespace("da7a")
 PAGE = 64 * 1024  # bytes of one block's page (one layer)
 _REPEATS = 5
+_STREAM_JOBS = 4
 
 
 def _median_s(run: Callable[[], None]) -> float:
@@ -74,13 +76,31 @@ class PageJobs:
         """Submits one job and returns once the worker reports it done."""
         self._job += 1
         submit(self._job)
-        while not any(r.job_id == self._job for r in self._worker.get_finished()):
+        self._wait({self._job})
+
+    def _wait(self, jobs: set[int]) -> None:
+        while jobs:
+            jobs -= {r.job_id for r in self._worker.get_finished()}
             time.sleep(0.0005)
 
     def store(self, key: ChunkKey) -> None:
         """Returns once the worker reports it done: the NodeStore holds it."""
         spec = StoreSpec(self._namespace, (key,))
         self._run(lambda job: self._worker.submit_store(job, self._source, spec))
+
+    def store_stream(self, keys: list[ChunkKey]) -> None:
+        """One store per key, submitted back to back as a serving engine does (it never
+        waits for a store); returns once every one is reported done."""
+        first = self._job + 1
+        for key in keys:
+            self._job += 1
+            self._worker.submit_store(self._job, self._source, StoreSpec(self._namespace, (key,)))
+        self._wait(set(range(first, self._job + 1)))
+
+    @property
+    def pool_misses(self) -> int:
+        """Stores that found no granted extents and took the object store instead."""
+        return self._worker.arena.pool_misses
 
     def load(self, spec: LoadSpec) -> None:
         self._run(lambda job: self._worker.submit_load(job, spec, self._destination))
@@ -96,6 +116,30 @@ class PageJobs:
         self._worker.shutdown()
 
 
+def _stored_shards(namespace: str) -> int:
+    """Shards this node's NodeStore has adopted so far (an eviction does not undo it)."""
+    node = ray.get_runtime_context().get_node_id()
+    store = ray.get_actor(node_store_name(node), namespace=namespace)
+    return ray.get(store.status.remote(), timeout=30)["stats"]["stored_shards"]
+
+
+def _store_stream(jobs: PageJobs, namespace: str, round_: list[int]) -> tuple[float, int]:
+    """Median seconds for ``_STREAM_JOBS`` stores in flight together, and how many of
+    them missed the extent pool; checks that the NodeStore adopted every one."""
+    misses, stored = jobs.pool_misses, _stored_shards(namespace)
+
+    def stream() -> None:
+        keys = []
+        for _ in range(_STREAM_JOBS):
+            round_[0] += 1
+            keys.append(ChunkKey(round_[0].to_bytes(8, "big") + b"\0\0\0\0"))
+        jobs.store_stream(keys)
+
+    seconds = _median_s(stream)
+    assert _stored_shards(namespace) - stored == _REPEATS * _STREAM_JOBS  # really stored
+    return seconds, jobs.pool_misses - misses
+
+
 def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, Any]:
     jobs = PageJobs(cfg, NS, size)
     evictor = EvictorClient(get_or_create_evictor(cfg))
@@ -109,6 +153,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
 
     store_s = _median_s(store_once)
     (answer,) = evictor.lookup(NS, [keys[-1]], "bench", 60.0).result()
+    stream_s, misses = _store_stream(jobs, cfg.namespace, round_)
     spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
     load_s = _median_s(lambda: jobs.load(spec))
     assert jobs.loaded_intact()  # the bytes really moved
@@ -125,6 +170,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
         "bytes": size,
         "GBps": {
             "tierstore_store": gbps(store_s),
+            "tierstore_store_stream": gbps(stream_s / _STREAM_JOBS),
             "tierstore_load": gbps(load_s),
             "memcpy": gbps(memcpy_s),
             "ray_put": gbps(put_s),
@@ -132,6 +178,9 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
             "ray_put_get": gbps(roundtrip_s),
         },
         "store_vs_memcpy": memcpy_s / store_s,
+        # a stream of stores in flight together: throughput, not one job's latency
+        "store_stream_vs_memcpy": memcpy_s * _STREAM_JOBS / stream_s,
+        "store_stream_pool_misses": misses,
         "load_vs_memcpy": memcpy_s / load_s,
         "store_vs_ray_put_get": roundtrip_s / store_s,
         "load_vs_ray_put_get": roundtrip_s / load_s,
@@ -151,7 +200,15 @@ def run(quick: bool = False) -> dict[str, Any]:
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
     sizes = results["sizes"]
     labels = [f"{s['bytes'] >> 20} MiB" for s in sizes]
-    names = ["tierstore_store", "tierstore_load", "ray_put_get", "ray_put", "ray_get", "memcpy"]
+    names = [
+        "tierstore_store",
+        "tierstore_store_stream",
+        "tierstore_load",
+        "ray_put_get",
+        "ray_put",
+        "ray_get",
+        "memcpy",
+    ]
     return [
         plots.bars(
             out / "dataplane.png",

@@ -1,5 +1,5 @@
-"""A worker's extent pool: all-or-nothing takes, refills that adapt to the jobs seen and
-stay within the budget, extents of a replaced arena never used."""
+"""A worker's extent pool: all-or-nothing takes, refills that adapt to the jobs seen (and
+to bursts of them) and stay within the budget, extents of a replaced arena never used."""
 
 from __future__ import annotations
 
@@ -36,3 +36,19 @@ def test_extents_of_a_replaced_arena_are_given_back_not_used() -> None:
     assert pool.reset("b") == []
     assert pool.add(wanted, [0, 100], "a") == [0, 100]
     assert pool.take([100]) is None
+
+
+def test_a_burst_of_jobs_between_refills_grows_the_pool_to_twice_the_burst() -> None:
+    pool = ExtentPool(budget_bytes=10_000, epoch="a")
+    pool.add(pool.wanted(), [], "a")  # nothing yet
+    pool.take([100])
+    first = pool.wanted()
+    assert first == [100, 100]
+    pool.add(first, [0, 100], "a")
+    # A step submits three stores before the next refill answer: the third misses.
+    assert pool.take([100]) is not None and pool.take([100]) is not None
+    assert pool.take([100]) is None
+    refill = pool.wanted()
+    assert refill == [100] * 6  # twice the burst of three, none left in the pool
+    pool.add(refill, list(range(200, 800, 100)), "a")
+    assert all(pool.take([100]) is not None for _ in range(3))  # the next burst fits

@@ -2,7 +2,8 @@
 
 A store takes its extents from here at submit, with no round trip; the pool then asks
 for more in the background (:meth:`wanted`, answered by :meth:`add`). How many to keep
-of a size adapts to the jobs seen: twice the most one job has taken, within a byte
+of a size adapts to the jobs seen: twice the most taken between two refill answers (a
+serving engine submits a burst of stores per step, one per request), within a byte
 budget, so a worker holds little of the arena while idle and enough to never wait while
 busy. A take that the pool cannot serve whole takes nothing: the caller falls back or
 skips the store and counts it.
@@ -25,6 +26,7 @@ class ExtentPool:
         self._free: dict[int, list[int]] = {}  # size -> offsets
         self._asked: Counter[int] = Counter()  # size -> extents asked for, not yet added
         self._target: Counter[int] = Counter()
+        self._burst: Counter[int] = Counter()  # size -> extents wanted since the last add
         self._lock = threading.Lock()
         self.misses = 0  # takes the pool could not serve whole
 
@@ -41,7 +43,8 @@ class ExtentPool:
         """One extent per size (in order), or None and nothing taken."""
         need = Counter(sizes)
         with self._lock:
-            self._expect(need)
+            self._burst.update(need)  # a missed take counts: the next refill grows
+            self._expect(self._burst)
             if any(len(self._free.get(size, ())) < n for size, n in need.items()):
                 self.misses += 1
                 return None
@@ -67,6 +70,7 @@ class ExtentPool:
         """The NodeStore's answer to :meth:`wanted`. Returns offsets to give back (granted
         in an arena this pool no longer uses)."""
         with self._lock:
+            self._burst.clear()
             for size in sizes:
                 self._asked[size] -= 1
             self._asked = +self._asked  # drop non-positive counts
