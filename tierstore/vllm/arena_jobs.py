@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from vllm.v1.kv_offload.base import TransferResult
@@ -37,7 +38,15 @@ from tierstore.vllm.worker_arena import WorkerArena
 
 logger = logging.getLogger(__name__)
 
-Filled = tuple[WorkerArena, list[int]]  # the arena a store gathered into, its extents
+
+class Filled(NamedTuple):
+    """The arena a store gathered into and its extents. ``array`` is the mapping as it
+    was at the gather: it keeps the bytes readable after the worker drops a replaced
+    arena (closing it empties ``arena.array``), so a stale commit can still be sent."""
+
+    arena: WorkerArena
+    offsets: list[int]
+    array: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -140,7 +149,7 @@ class ArenaJobs:
             arena.give_back(offsets)
             raise
         self.arena_stores += 1
-        return (arena, offsets), gathered
+        return Filled(arena, offsets, arena.array), gathered
 
     def commit(self, batch: list[Commit]) -> tuple[list[Commit], list[tuple[Commit, Exception]]]:
         """Commit thread: hand filled extents to the NodeStore with their digests (hashed
@@ -151,9 +160,9 @@ class ArenaJobs:
         failed: list[tuple[Commit, Exception]] = []
         groups: dict[tuple[int, str], list[Commit]] = {}
         for c in batch:
-            groups.setdefault((id(c.filled[0]), c.spec.namespace), []).append(c)
+            groups.setdefault((id(c.filled.arena), c.spec.namespace), []).append(c)
         for group in groups.values():
-            arena = group[0].filled[0]
+            arena = group[0].filled.arena
             entries = [entry for c in group for entry in self._entries(c)]
             try:
                 kept = arena.commit(group[0].spec.namespace, self._rank, self._world_size, entries)
@@ -166,9 +175,8 @@ class ArenaJobs:
 
     @staticmethod
     def _entries(commit: Commit) -> list[ShardEntry]:
-        (arena, offsets), spec, plan = commit.filled, commit.spec, commit.plan
+        (_, offsets, view), spec, plan = commit.filled, commit.spec, commit.plan
         parents = spec.parents or (None,) * len(spec.keys)
-        view = arena.array
         pairs = zip(plan.chunks, offsets, strict=True)
         digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
         return [
@@ -182,9 +190,8 @@ class ArenaJobs:
     def job_bytes(filled: Filled, plan: JobPlan) -> np.ndarray:
         """The job's bytes as one buffer, copied out of its extents (in job order): for
         the object store, when the arena they were gathered into is gone."""
-        arena, offsets = filled
-        pairs = zip(offsets, plan.chunks, strict=True)
-        views = [arena.array[at : at + c.nbytes] for at, c in pairs]
+        pairs = zip(filled.offsets, plan.chunks, strict=True)
+        views = [filled.array[at : at + c.nbytes] for at, c in pairs]
         return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
 
     # ---- loads -----------------------------------------------------------------------------
