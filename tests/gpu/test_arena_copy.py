@@ -22,7 +22,14 @@ import pytest
 import torch
 
 from tests.data.test_extent_copy import _extents
-from tests.gpu.test_device_copy import GROUPS, SLEEP_CYCLES, _job, _kv_pair, _reference_gather
+from tests.gpu.kv import (
+    GROUPS,
+    assert_loaded,
+    kv_pair,
+    random_job,
+    reference_gather,
+    sleeping_forward,
+)
 from tierstore.data.arena.region import ArenaMapping, ArenaRegion
 from tierstore.data.extent_copy import runs_of
 from tierstore.data.layout import ChunkLayout, as_index
@@ -60,16 +67,16 @@ def _place(plan, seed: int):
 def test_round_trip_gpu_arena_gpu_is_bit_exact(
     arena: ArenaMapping, name: str, bpc: int, expedited: bool
 ) -> None:
-    gpu, host = _kv_pair(name, seed=bpc)
+    gpu, host = kv_pair(name, seed=bpc)
     layout = ChunkLayout(gpu, GROUPS[name][1], bpc)
     ref_layout = ChunkLayout(host, GROUPS[name][1], bpc)
     copier = _attached(layout, arena)
-    plan, src, dst = _job(layout, np.random.default_rng(bpc), 64)
+    plan, src, dst = random_job(layout, np.random.default_rng(bpc), 64)
     offsets, runs = _place(plan, bpc)
 
     gathered = copier.gather_into(plan, src, arena.array, runs)
     gathered.wait_copied()
-    expected = _reference_gather(ref_layout, plan, src)
+    expected = reference_gather(ref_layout, plan, src)
     outside = np.ones(ARENA_BYTES, dtype=bool)
     for chunk, at in zip(plan.chunks, offsets, strict=True):
         got = arena.array[at : at + chunk.nbytes]
@@ -91,56 +98,38 @@ def test_round_trip_gpu_arena_gpu_is_bit_exact(
 def test_a_load_from_extents_lands_after_the_compute_stream_zeroes_its_blocks(
     arena: ArenaMapping,
 ) -> None:
-    gpu, host = _kv_pair("hybrid")
+    gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
     copier = _attached(layout, arena)
-    plan, _, dst = _job(layout, np.random.default_rng(7), 64)
+    plan, _, dst = random_job(layout, np.random.default_rng(7), 64)
     offsets, runs = _place(plan, 7)
     data = np.random.default_rng(8).integers(1, 256, plan.nbytes, dtype=np.uint8)
     for chunk, at in zip(plan.chunks, offsets, strict=True):  # what a store left there
         arena.array[at : at + chunk.nbytes] = data[chunk.offset : chunk.offset + chunk.nbytes]
-    dst_index = torch.as_tensor(dst, device="cuda")
-    compute = torch.cuda.Stream()
-    with torch.cuda.stream(compute):  # the model-runner thread's stream
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t in gpu:  # vLLM zeroes newly allocated blocks in the step that loads them
-            t.index_fill_(0, dst_index, 0)
+    with sleeping_forward(gpu, dst, 0):  # zeroes the blocks the load writes
         scatter = copier.prepare_scatter(plan, dst)
     assert scatter.in_place
     with ThreadPoolExecutor(1) as pool:  # the worker's transfer thread
         pool.submit(scatter.from_extents, arena.array, runs).result(timeout=120)
-    torch.cuda.synchronize()
-    ChunkLayout(host, GROUPS["hybrid"][1], 2).scatter(
-        plan, as_index(dst, "cpu"), torch.from_numpy(data.copy())
-    )
-    rows = torch.as_tensor(dst)
-    for t, ref in zip(gpu, host, strict=True):
-        assert torch.equal(t.cpu()[rows], ref[rows])  # loaded bytes, not the zeroing's
+    assert_loaded(gpu, host, ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, dst, data)
     copier.detach_arena(arena.array)
 
 
 def test_a_store_into_extents_returns_while_the_forward_still_runs(arena: ArenaMapping) -> None:
-    gpu, host = _kv_pair("hybrid")
+    gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
     copier = _attached(layout, arena)
-    plan, src, _ = _job(layout, np.random.default_rng(2), 64)
+    plan, src, _ = random_job(layout, np.random.default_rng(2), 64)
     offsets, runs = _place(plan, 2)
     copier.gather_into(plan, src, arena.array, runs).wait_copied()  # warm the tables
-    src_index = torch.as_tensor(src, device="cuda")
-    compute = torch.cuda.Stream()
-    with torch.cuda.stream(compute):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t in gpu:  # the forward writes the KV this store reads
-            t.index_fill_(0, src_index, 5)
-        forward_done = torch.cuda.Event()
-        forward_done.record(compute)
+    with sleeping_forward(gpu, src, 5) as forward_done:  # writes the KV this store reads
         gathered = copier.gather_into(plan, src, arena.array, runs)  # submit_store
         assert not forward_done.query(), "the store's submit waited for the forward"
         assert not gathered.copied(), "the store's copy did not wait for the forward"
     gathered.wait_copied()
     for t in host:
         t[torch.as_tensor(src)] = 5
-    expected = _reference_gather(ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, src)
+    expected = reference_gather(ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, src)
     for chunk, at in zip(plan.chunks, offsets, strict=True):
         got = arena.array[at : at + chunk.nbytes]
         assert np.array_equal(got, expected[chunk.offset : chunk.offset + chunk.nbytes])
@@ -154,12 +143,12 @@ def _pinned_requests() -> int | None:
 
 
 def test_jobs_through_the_arena_allocate_no_pinned_or_gpu_memory(arena: ArenaMapping) -> None:
-    gpu, _ = _kv_pair("odd")
+    gpu, _ = kv_pair("odd")
     layout = ChunkLayout(gpu, GROUPS["odd"][1], 2)
     copier = _attached(layout, arena)
 
     def job(seed: int) -> None:
-        plan, src, dst = _job(layout, np.random.default_rng(seed), 64)
+        plan, src, dst = random_job(layout, np.random.default_rng(seed), 64)
         _, runs = _place(plan, seed)
         copier.gather_into(plan, src, arena.array, runs).wait_copied()
         scatter = copier.prepare_scatter(plan, dst)
@@ -176,5 +165,5 @@ def test_jobs_through_the_arena_allocate_no_pinned_or_gpu_memory(arena: ArenaMap
     assert _pinned_requests() == pinned, "an arena job allocated pinned memory"
     assert torch.cuda.memory_allocated() == gpu_bytes, "an arena job allocated GPU memory"
     copier.detach_arena(arena.array)
-    plan, _, dst = _job(layout, np.random.default_rng(9), 64)
+    plan, _, dst = random_job(layout, np.random.default_rng(9), 64)
     assert not copier.prepare_scatter(plan, dst).in_place  # detached: the object store

@@ -1,11 +1,9 @@
 """The CUDA copier: ordering against the compute stream, exact bytes, bounded memory.
 
 Skipped unless CUDA and vLLM's CUDA ops are present (see conftest.py). The test
-thread plays vLLM's model-runner thread: it makes its own stream current (vLLM runs
-its forward on such a per-thread stream, not the legacy default one), and loads run
-on a second thread as the worker's transfer pool runs them. A long
-``torch.cuda._sleep`` on the compute stream stands for a forward still in flight.
-No assertion is on time: each checks what was (not) done when a call returned.
+thread plays vLLM's model-runner thread (:mod:`tests.gpu.kv`), and loads run on a
+second thread as the worker's transfer pool runs them. No assertion is on time: each
+checks what was (not) done when a call returned.
 """
 
 from __future__ import annotations
@@ -16,43 +14,24 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.kv import (
+    GROUPS,
+    SLEEP_CYCLES,
+    assert_loaded,
+    kv_pair,
+    random_job,
+    reference_gather,
+    sleeping_forward,
+)
 from tierstore.data.layout import ChunkLayout, as_index
 from tierstore.vllm.cuda_copy import CudaCopier
 from tierstore.vllm.device_copy import make_copier
 
 pytestmark = pytest.mark.gpu
 
-SLEEP_CYCLES = 2_000_000_000  # about a second at a ~2 GHz SM clock
-GROUPS = {
-    "hybrid": ([128, 256, 64], [[(0, 96), (2, 64)], [(1, 200)], [(0, 128)]]),
-    "odd": ([128, 64, 40], [[(0, 100), (1, 37)], [(2, 33)]]),
-}
-
-
-def _kv_pair(name: str, num_blocks: int = 64, seed: int = 0):
-    """The same random KV on the GPU and on the host (the reference)."""
-    rows, _ = GROUPS[name]
-    g = torch.Generator().manual_seed(seed)
-    host = [torch.randint(-128, 127, (num_blocks, r), dtype=torch.int8, generator=g) for r in rows]
-    return [t.to("cuda") for t in host], host
-
-
-def _job(layout: ChunkLayout, rng: np.random.Generator, num_blocks: int):
-    sizes = [int(x) for x in rng.integers(1, 6, len(layout.groups))]
-    indices = [int(x) for x in rng.integers(0, 9, len(layout.groups))]
-    src = rng.choice(num_blocks, sum(sizes), replace=False)
-    dst = rng.choice(num_blocks, sum(sizes), replace=False)
-    return layout.plan(sizes, indices), src, dst
-
-
-def _reference_gather(layout: ChunkLayout, plan, ids) -> np.ndarray:
-    out = torch.empty(plan.nbytes, dtype=torch.uint8)
-    layout.gather(plan, as_index(ids, layout.device), out)
-    return out.numpy()
-
 
 def test_cuda_tensors_get_the_cuda_copier() -> None:
-    gpu, _ = _kv_pair("hybrid")
+    gpu, _ = kv_pair("hybrid")
     assert isinstance(make_copier(ChunkLayout(gpu, GROUPS["hybrid"][1], 2)), CudaCopier)
 
 
@@ -60,16 +39,16 @@ def test_cuda_tensors_get_the_cuda_copier() -> None:
 @pytest.mark.parametrize("bpc", [1, 2, 4])
 @pytest.mark.parametrize("expedited", [False, True])
 def test_round_trip_gpu_host_gpu_is_bit_exact(name: str, bpc: int, expedited: bool) -> None:
-    gpu, host = _kv_pair(name, seed=bpc)
+    gpu, host = kv_pair(name, seed=bpc)
     layout, ref_layout = (
         ChunkLayout(gpu, GROUPS[name][1], bpc),
         ChunkLayout(host, GROUPS[name][1], bpc),
     )
     copier = CudaCopier(layout)
-    plan, src, dst = _job(layout, np.random.default_rng(bpc), 64)
+    plan, src, dst = random_job(layout, np.random.default_rng(bpc), 64)
 
     stored = copier.gather(plan, src)()
-    assert np.array_equal(stored, _reference_gather(ref_layout, plan, src))
+    assert np.array_equal(stored, reference_gather(ref_layout, plan, src))
 
     data = stored.copy()
     data.flags.writeable = False  # as Ray hands bytes out
@@ -82,43 +61,25 @@ def test_round_trip_gpu_host_gpu_is_bit_exact(name: str, bpc: int, expedited: bo
 
 
 def test_a_load_lands_after_the_compute_stream_zeroes_its_blocks() -> None:
-    gpu, host = _kv_pair("hybrid")
+    gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
     copier = CudaCopier(layout)
-    plan, _, dst = _job(layout, np.random.default_rng(7), 64)
+    plan, _, dst = random_job(layout, np.random.default_rng(7), 64)
     data = np.random.default_rng(8).integers(1, 256, plan.nbytes, dtype=np.uint8)
-    dst_index = torch.as_tensor(dst, device="cuda")
-    compute = torch.cuda.Stream()
-    with torch.cuda.stream(compute):  # the model-runner thread's stream
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t in gpu:  # vLLM zeroes newly allocated blocks in the step that loads them
-            t.index_fill_(0, dst_index, 0)
+    with sleeping_forward(gpu, dst, 0):  # zeroes the blocks the load writes
         scatter = copier.prepare_scatter(plan, dst)
     with ThreadPoolExecutor(1) as pool:  # the worker's transfer thread
         pool.submit(scatter, data).result(timeout=120)
-    torch.cuda.synchronize()
-    ChunkLayout(host, GROUPS["hybrid"][1], 2).scatter(
-        plan, as_index(dst, "cpu"), torch.from_numpy(data.copy())
-    )
-    rows = torch.as_tensor(dst)
-    for t, ref in zip(gpu, host, strict=True):
-        assert torch.equal(t.cpu()[rows], ref[rows])  # loaded bytes, not the zeroing's
+    assert_loaded(gpu, host, ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, dst, data)
 
 
 def test_submit_store_returns_while_the_forward_still_runs() -> None:
-    gpu, host = _kv_pair("hybrid")
+    gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
     copier = CudaCopier(layout)
-    copier.gather(*_job(layout, np.random.default_rng(1), 64)[:2])()  # warm the pools
-    plan, src, _ = _job(layout, np.random.default_rng(2), 64)
-    src_index = torch.as_tensor(src, device="cuda")
-    compute = torch.cuda.Stream()
-    with torch.cuda.stream(compute):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for t in gpu:  # the forward writes the KV this store reads
-            t.index_fill_(0, src_index, 5)
-        forward_done = torch.cuda.Event()
-        forward_done.record(compute)
+    copier.gather(*random_job(layout, np.random.default_rng(1), 64)[:2])()  # warm the pools
+    plan, src, _ = random_job(layout, np.random.default_rng(2), 64)
+    with sleeping_forward(gpu, src, 5) as forward_done:  # writes the KV this store reads
         gathered = copier.gather(plan, src)  # what submit_store calls
         assert not forward_done.query(), "the store's submit waited for the forward"
         assert not gathered.copied(), "the store's copy did not wait for the forward"
@@ -127,16 +88,16 @@ def test_submit_store_returns_while_the_forward_still_runs() -> None:
     for t in host:
         t[torch.as_tensor(src)] = 5
     assert np.array_equal(
-        stored, _reference_gather(ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, src)
+        stored, reference_gather(ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, src)
     )
     assert gathered.copy_seconds > 0
 
 
 def test_an_expedited_load_does_not_queue_behind_a_blocked_load() -> None:
-    gpu, _ = _kv_pair("hybrid")
+    gpu, _ = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 1)
     copier = CudaCopier(layout)
-    plan, _, dst = _job(layout, np.random.default_rng(3), 64)
+    plan, _, dst = random_job(layout, np.random.default_rng(3), 64)
     data = np.zeros(plan.nbytes, dtype=np.uint8)
     blocked = torch.cuda.Stream()
     with torch.cuda.stream(blocked):
