@@ -15,8 +15,12 @@ actors), and the binding is recorded. The device KV cache is made small
 (``num_gpu_blocks_override``: about two prompts), so the device prefix cache forgets as
 a busy server's does. Reported per workload: TTFT p50/p90 (engine timestamps: queued to
 first token, lookups and loads included), throughput, and where each prompt token came
-from. The headline ratios (``targets``): throughput and time at 0 % hits (the unique
-prompts) against no connector, and the prefix-hit TTFT against the reference's and
+from. The engines run twice, in the order no connector, reference, tierstore, then
+back (``--quick``: once): a machine that drifts over the run's minutes weighs on every
+engine alike, and each engine's figures pool its two runs (tierstore's second run has a
+namespace and disk directory of its own, so it starts empty as the first did). The
+headline ratios (``targets``): throughput and time at 0 % hits (the unique prompts)
+against no connector, and the prefix-hit TTFT against the reference's and
 against recompute (the no-connector engine's same request).
 
 ``--model``: ``tiny`` (2 layers, 1 KiB of KV per token: copies weigh most) or ``0.1b``
@@ -35,6 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tierstore.actors.bootstrap import shutdown_actors
 from tierstore.deploy.bench import plots
 from tierstore.deploy.bench.common import percentile, ray_session
 from tierstore.deploy.bench.e2e_setups import MODELS, setup_for
@@ -63,7 +68,9 @@ def omp_binding() -> str:
     return ",".join(str(c) for c in cores[1:])
 
 
-def _plan(setup: dict[str, Any], model: Path, mode: str, disk_path: Path) -> dict[str, Any]:
+def _plan(
+    setup: dict[str, Any], model: Path, mode: str, disk_path: Path, namespace: str = NAMESPACE
+) -> dict[str, Any]:
     engine: dict[str, Any] = {
         "model": str(model),
         "dtype": "float32",
@@ -79,14 +86,42 @@ def _plan(setup: dict[str, Any], model: Path, mode: str, disk_path: Path) -> dic
             "cpu_bytes_per_node": setup["cpu_bytes"],
             "disk_path": str(disk_path),
             "disk_bytes_per_node": setup["disk_bytes"],
-            "namespace": NAMESPACE,
+            "namespace": namespace,
         }
     return {
         "engine": engine,
         "max_tokens": setup["max_tokens"],
         "workloads": setup["workloads"],
-        "tierstore_namespace": NAMESPACE if mode == "tierstore" else None,
+        "tierstore_namespace": namespace if mode == "tierstore" else None,
     }
+
+
+def run_order(passes: int) -> list[tuple[str, int]]:
+    """(mode, pass) in the order the engines run: forward, then back, and so on."""
+    order: list[tuple[str, int]] = []
+    for n in range(passes):
+        order += [(mode, n) for mode in (MODES if n % 2 == 0 else MODES[::-1])]
+    return order
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's runs as one: per workload, the requests in run order, the wall
+    times and tierstore's counters added up (a prefix-hit run keeps its miss/hit
+    alternation, as each holds whole pairs)."""
+    out: dict[str, Any] = {}
+    for name in runs[0]:
+        parts = [run[name] for run in runs]
+        counters: dict[str, int] = {}
+        for part in parts:
+            for key, value in part["tierstore"].items():
+                counters[key] = counters.get(key, 0) + value
+        out[name] = {
+            **parts[0],
+            "requests": [r for part in parts for r in part["requests"]],
+            "wall_s": sum(part["wall_s"] for part in parts),
+            "tierstore": counters,
+        }
+    return out
 
 
 def _run_engine(
@@ -227,21 +262,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="tierstore-bench-disk-", dir=args.disk_root) as disk,
         ray_session(NAMESPACE) as address,
     ):
-        raw = {
-            mode: _run_engine(_plan(setup, model, mode, Path(disk)), address, work, mode, binding)
-            for mode in MODES
-        }
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+        passes = 1 if args.quick else 2
+        try:
+            for mode, n in run_order(passes):
+                space = Path(disk) / f"run{n}"
+                plan = _plan(setup, model, mode, space, f"{NAMESPACE}-{n}")
+                runs[mode].append(_run_engine(plan, address, work, f"{mode}-{n}", binding))
+        finally:  # each tierstore run's actors (ray_session stops NAMESPACE's only)
+            for n in range(passes):
+                shutdown_actors(f"{NAMESPACE}-{n}")
+    raw = {mode: pooled(runs[mode]) for mode in MODES}
     summary = {mode: {name: summarize(w) for name, w in raw[mode].items()} for mode in MODES}
     return {
         "ray_cluster": address,
         "model": choice,
         "omp_threads_bind": binding,
+        "engine_runs": [f"{mode}-{n}" for mode, n in run_order(passes)],
         "setup": dict(setup) | {"model": MODELS[choice], "block_size": BLOCK_SIZE},
         "summary": summary,
         "targets": targets(summary),
         "tierstore_vs_no_connector": compare(summary, "tierstore"),
         "reference_vs_no_connector": compare(summary, "reference"),
         "raw": raw,
+        "raw_runs": runs,
     }
 
 

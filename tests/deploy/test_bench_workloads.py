@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 import pytest
-from tierstore.deploy.bench.e2e import BIND_ENV, omp_binding, summarize, targets
+from tierstore.deploy.bench.e2e import BIND_ENV, omp_binding, pooled, run_order, summarize, targets
 from tierstore.deploy.bench.workloads import MultiTurn, PrefixHit, PrefixRepetition, Unique
 
 
@@ -108,3 +108,28 @@ def test_every_engine_is_pinned_alike_leaving_the_first_core(
     assert omp_binding() == expected
     monkeypatch.setenv(BIND_ENV, "0-1")
     assert omp_binding() == "0-1"
+
+
+def test_engines_run_forward_then_back_and_each_pools_its_runs() -> None:
+    assert run_order(2) == [
+        ("no_connector", 0),
+        ("reference", 0),
+        ("tierstore", 0),
+        ("tierstore", 1),
+        ("reference", 1),
+        ("no_connector", 1),
+    ]
+    request = {"prompt_tokens": 64, "cached_tokens": 0, "output_tokens": 1, "ttft_s": 0.1}
+    hit = dict(request, ttft_s=0.3, cached_tokens=32)
+
+    def run(wall_s: float, loaded: int) -> dict[str, Any]:
+        counters = {"loaded_chunks": loaded}
+        return {"prefix_hit": {"kind": "prefix_hit", "wall_s": wall_s, "requests": [request, hit],
+                               "tierstore": counters}}  # fmt: skip
+
+    both = pooled([run(1.0, 1), run(3.0, 2)])["prefix_hit"]
+    assert both["wall_s"] == 4.0 and both["tierstore"] == {"loaded_chunks": 3}
+    summary = summarize(both)
+    assert summary["requests"] == 4
+    assert summary["hit_ttft_ms"]["p50"] == pytest.approx(300.0)  # misses and hits kept apart
+    assert summary["prompt_tokens_per_s"] == 256 / 4.0
