@@ -65,12 +65,22 @@ _RESTORE_TIMEOUT_S = 120.0
 _BUFFER_TIMEOUT_S = 60.0
 # The arena's room beyond the CPU tier: extents granted to workers and not committed
 # yet, and extents pinned by loads after the Evictor dropped their shard.
-_GRANT_ROOM_MAX = 256 << 20
+_GRANT_ROOM_MIN = 256 << 20
+_GRANT_ROOM_SHARE = 8
+
+
+def grant_room(cpu_bytes_per_node: int) -> int:
+    """Bytes of the arena beyond the CPU tier: an eighth of it, at least 256 MiB (never
+    more than the tier itself). It scales with the tier because a worker's pool may hold
+    half of it and a store job larger than its pool takes the object store: a 32k-token
+    prefill of an 8B model is a 4 GiB job."""
+    share = max(_GRANT_ROOM_MIN, cpu_bytes_per_node // _GRANT_ROOM_SHARE)
+    return min(cpu_bytes_per_node, share)
 
 
 def _open_arena(cfg: TierStoreConfig, node_id: str, disk_dir: Path | None) -> ArenaTier:
     """The node's CPU tier in a new shared arena (a stale one of this name is replaced)."""
-    room = min(cfg.cpu_bytes_per_node, _GRANT_ROOM_MAX)
+    room = grant_room(cfg.cpu_bytes_per_node)
     fallback = disk_dir.parent if disk_dir is not None else Path(tempfile.gettempdir())
     region = ArenaRegion.create(
         cfg.namespace, node_id, cfg.cpu_bytes_per_node + room, fallback_dir=fallback

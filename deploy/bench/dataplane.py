@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from tierstore.actors.bootstrap import get_or_create_evictor
+from tierstore.actors.bootstrap import get_or_create_evictor, shutdown_actors
 from tierstore.actors.clients import EvictorClient
 from tierstore.actors.names import node_store_name
 from tierstore.deploy.bench import hostcopy, plots
@@ -189,10 +189,22 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
 
 def run(quick: bool = False) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if quick else [1 << 20, 16 << 20, 64 << 20]
-    cfg = TierStoreConfig(cpu_bytes_per_node=2 * (64 << 20) * _REPEATS, namespace="tierstore-bench")
-    with ray_session(cfg.namespace) as address:
+    namespace = "tierstore-bench"
+    rows = []
+    with ray_session(namespace) as address:
         counter = [0]
-        rows = [bench_size(cfg, size, counter) for size in sizes]
+        for size in sizes:
+            # Each size on a node store of its own, as an engine's one chunk size: an
+            # arena left full of smaller chunks would have no room for the next size's
+            # extents (its stores would take the object store).
+            cfg = TierStoreConfig(
+                cpu_bytes_per_node=2 * (64 << 20) * _REPEATS,
+                namespace=f"{namespace}-{size >> 20}m",
+            )
+            try:
+                rows.append(bench_size(cfg, size, counter))
+            finally:
+                shutdown_actors(cfg.namespace)
     host_copy = hostcopy.run(repeat=5 if quick else 30, quick=quick)
     return {"ray_cluster": address, "sizes": rows, "host_copy": host_copy}
 
