@@ -131,6 +131,51 @@ def test_prepare_store_skips_keys_stored_or_in_flight(cfg: TierStoreConfig) -> N
 _WAIT_S = 10.0
 
 
+def test_a_key_just_stored_is_asked_again_until_its_commit_is_indexed(
+    cfg: TierStoreConfig,
+) -> None:
+    """A worker reports a store done before its commit reaches the Evictor: a lookup in
+    between must not settle as a MISS (the prefix would be recomputed and stored again),
+    but wait for the index, within the lookup deadline; a key never stored is a MISS."""
+    evictor, node = _evictor_holding(cfg)
+    patient = dataclasses.replace(cfg, lookup_timeout_ms=30_000.0)
+    manager = TierStoreManager(patient, NS, EvictorChannel(evictor))
+    writer, reader = ReqContext(req_id="writer"), ReqContext(req_id="reader")
+    manager.on_new_request(writer)
+    manager.prepare_store([_key(1)], writer)
+    manager.complete_store([_key(1)], writer)  # reported done; not committed yet
+    manager.on_new_request(reader)
+    assert manager.lookup(_key(1), reader) is LookupResult.RETRY
+    assert manager.lookup(_key(2), reader) is LookupResult.RETRY
+    manager.on_schedule_end(END)
+    assert _settle(manager, _key(2), reader) is LookupResult.MISS
+    # The Evictor answered MISS for key 1 as well: still RETRY, asked again.
+    for _ in range(5):
+        time.sleep(0.01)
+        assert manager.lookup(_key(1), reader) is LookupResult.RETRY
+        manager.on_schedule_end(END)
+    evictor.admit(node, [ShardOffer(NS, _key(1), 0, 1, 100)]).result()  # the commit lands
+    assert _settle(manager, _key(1), reader) is LookupResult.HIT
+    manager.shutdown()
+
+    # A commit that never lands (failed, refused) costs at most the lookup deadline.
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))
+    manager.on_new_request(writer)
+    manager.prepare_store([_key(3)], writer)
+    manager.complete_store([_key(3)], writer)
+    manager.on_new_request(reader)
+    assert manager.lookup(_key(3), reader) is LookupResult.RETRY
+    manager.on_schedule_end(END)
+
+    def settled() -> LookupResult | None:
+        manager.on_schedule_end(END)
+        result = manager.lookup(_key(3), reader)
+        return result if result is not LookupResult.RETRY else None
+
+    assert wait_for(settled, "the lookup deadline", 10, poll_s=0.01) is LookupResult.MISS
+    manager.shutdown()
+
+
 def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreConfig) -> None:
     evictor, node = _evictor_holding(cfg, _key(1))
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))

@@ -49,6 +49,8 @@ def _drain(worker: TierStoreWorker, n_jobs: int) -> list[int]:
         return len(done) >= n_jobs
 
     poll(all_done, 30, poll_s=0.01)
+    # A store is done once its bytes are in the arena; the NodeStore indexes it after.
+    assert worker.wait_committed(30), "store commits still unanswered after 30 s"
     return done
 
 

@@ -1,12 +1,13 @@
 """Stores and same-node loads through the node's arena: one copy each way.
 
 A store gathers its pages straight into extents the worker was granted ahead of time (at
-submit, on the model-runner thread, no round trip); the commit thread hashes them and
-sends the commit to the NodeStore, batched with others
-(:mod:`tierstore.vllm.commit_queue`), and the job is done once answered; the NodeStore
-adopts the extents as they are, no copy, no second hash. A same-node load pins its
-shards' extents, verifies each digest in the mapping and scatters straight from it,
-then unpins (one-way).
+submit, on the model-runner thread, no round trip), and is done once its bytes are
+there: its blocks may be reused. The commit thread then hashes the extents (off the
+model-runner thread, beside the next forward) and sends (key, extent, digest) to the
+NodeStore, batched with others (:mod:`tierstore.vllm.commit_queue`), answered later;
+the NodeStore adopts the extents as they are, no copy, no second hash. A same-node load
+pins its shards' extents, verifies each digest in the mapping and scatters straight
+from it, then unpins (one-way).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -49,10 +50,11 @@ class Filled(NamedTuple):
     array: np.ndarray
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Commit:
     """A store job gathered into extents, its commit waiting to be sent in a batch;
-    ``done`` is the job's result, set once the NodeStore answered (or the commit failed)."""
+    ``done`` is set once the NodeStore answered (or the commit failed). The job itself
+    is reported done before: once its bytes are in the extents."""
 
     job_id: int
     filled: Filled

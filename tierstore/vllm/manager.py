@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -45,14 +44,11 @@ from tierstore.vllm import metrics
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.request_state import Answer, RequestState
 from tierstore.vllm.residency import MEDIUMS, locality, offloading_events
+from tierstore.vllm.stored_keys import StoredKeys
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
 
-# Keys this engine knows are stored, so it does not offer them again; bounded because an
-# engine may run for weeks. Forgetting one only costs a duplicate store, which the
-# Evictor refuses.
-_KNOWN_STORED_MAX = 1_000_000
 # The Evictor's status (tier gauges) and KV events are fetched at most this often.
 _POLL_PERIOD_S = 1.0
 
@@ -88,7 +84,7 @@ class TierStoreManager(OffloadingManager):
         self._id = uuid.uuid4().hex[:12]
         self._requests: dict[str, RequestState] = {}
         self._storing: set[ChunkKey] = set()
-        self._known_stored: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._known_stored = StoredKeys()
         self._metrics = metrics.ManagerMetrics()
         self._job_started: dict[frozenset[ChunkKey], float] = {}  # store/load job start
         self._local_node = local_node
@@ -226,6 +222,9 @@ class TierStoreManager(OffloadingManager):
                     if state is None or state.is_late(key, answer_state):
                         late.append(key)
                     continue
+                if answer_state == LookupState.MISS and self._known_stored.committing(key, now):
+                    state.ask_again(key, now)
+                    continue
                 # Re-ask a HIT well before its lease ends.
                 tier = state.take(
                     key, answer_state, where, now, self._cfg.lease_ttl_s / 2, from_tier
@@ -235,7 +234,7 @@ class TierStoreManager(OffloadingManager):
                 elif answer_state == LookupState.MISS:
                     self._metrics.count(metrics.LOOKUP_MISSES)
                     # Evicted (or never stored): let the next prepare_store offer it again.
-                    self._known_stored.pop(key, None)
+                    self._known_stored.forget(key)
             if late:
                 self._channel.release(self._namespace, late, holder)
 
@@ -293,7 +292,7 @@ class TierStoreManager(OffloadingManager):
                 return
             state.load_failed = True
             for key in state.loading:
-                self._known_stored.pop(key, None)
+                self._known_stored.forget(key)
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -344,11 +343,7 @@ class TierStoreManager(OffloadingManager):
             if not success:  # vLLM 0.32/0.33 never say so: the worker reports failures
                 return
             self._metrics.count(metrics.STORED_CHUNKS, len(keys))
-            for key in keys:
-                self._known_stored[key] = None
-                self._known_stored.move_to_end(key)
-            while len(self._known_stored) > _KNOWN_STORED_MAX:
-                self._known_stored.popitem(last=False)
+            self._known_stored.add(list(keys), time.monotonic())
 
     def _observe_job(self, histogram: str, keys: Collection[OffloadKey]) -> None:
         started = self._job_started.pop(frozenset(keys), None)

@@ -91,6 +91,13 @@ class RequestState:
         self.promoting.discard(key)
         self.answers[key] = Answer(LookupState.MISS, None, now + MISS_TTL_S)
 
+    def ask_again(self, key: ChunkKey, now: float) -> None:
+        """A MISS not trusted (the key's store finished moments ago, its commit may not
+        be indexed yet): RETRY for a moment, then ask again. The first ask's time is kept,
+        so the lookup deadline bounds the wait."""
+        self.in_flight.discard(key)
+        self.answers[key] = Answer(LookupState.PENDING, None, now + PENDING_RETRY_S)
+
     # ---- answers -------------------------------------------------------------------------
     def is_late(self, key: ChunkKey, state: LookupState) -> bool:
         """An answer for an ask given up. Its lease is given back only if no later ask

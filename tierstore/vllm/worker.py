@@ -10,9 +10,14 @@ Runtime rules (vLLM's model-runner thread calls every method):
   registered for DMA, ``cudaHostRegister``); otherwise (no arena, an empty pool,
   another node, an arena CUDA would not register) bytes go through the object store
   (:mod:`tierstore.vllm.object_loads`: one copy in, read in place, scattered per shard).
-- a store is reported finished only once the NodeStore holds it (arena commits go in
-  batches from one sender thread); a load only once its bytes were verified (length,
-  slot coverage, xxh3) and are in the destination blocks.
+- a store gathered into arena extents is reported finished once its bytes are there
+  (copied and hashed): its source blocks may be reused, and the extents stay this
+  worker's until its commit, sent in a batch from one sender thread, is answered
+  (:meth:`TierStoreWorker.wait_committed`); the scheduler's manager asks again for a key
+  it saw stored until the Evictor indexes it. An object-store store is reported
+  finished once the NodeStore holds it (its job buffer is reused after). A load only
+  once its bytes were verified (length, slot coverage, xxh3) and are in the
+  destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
   another copy the Evictor knows of (a hot chunk's copy, or the holder that adopted it).
 - a load that still fails (no other copy; a checksum mismatch) is reported as
@@ -29,6 +34,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import numpy as np
 from typing_extensions import override
@@ -81,6 +87,7 @@ class TierStoreWorker(OffloadingWorker):
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
         self._commits = BatchQueue(self._send_commits, "tierstore-commit")
+        self._uncommitted: set[Commit] = set()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
         self.arena = ArenaJobs(
             self._copier,
@@ -107,14 +114,16 @@ class TierStoreWorker(OffloadingWorker):
             self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered))
             return True
         commit = Commit(job_id, extents, dst_spec, plan, gathered)
-        self._track(job_id, commit.done)  # done once the NodeStore answered its batch
-        if gathered.copied():  # host copies: already in the extents
+        with self._lock:
+            self._uncommitted.add(commit)
+        if gathered.copied():  # host copies: already in the extents (and hashed)
+            self._track(job_id, _done(_copied(commit)))
             self._queue_commit(commit)
         else:  # a device copy still running: queue it from a transfer thread once done
-            self._pool.submit(self._commit_when_copied, commit)
+            self._track(job_id, self._pool.submit(self._commit_when_copied, commit))
         return True
 
-    def _commit_when_copied(self, commit: Commit) -> None:
+    def _commit_when_copied(self, commit: Commit) -> TransferResult:
         """Transfer thread: wait for the device copy, then queue the commit; a copy that
         failed loses the store (counted), and its job still ends done."""
         try:
@@ -122,8 +131,18 @@ class TierStoreWorker(OffloadingWorker):
         except Exception as exc:
             self._store_failed(commit.job_id, len(commit.plan.chunks), exc)
             self._end_commits([commit])
-            return
+            return _copied(commit)
         self._queue_commit(commit)
+        return _copied(commit)
+
+    def wait_committed(self, timeout_s: float) -> bool:
+        """Blocks until every arena store submitted so far was committed (answered by its
+        NodeStore, or failed and counted); False at the deadline. For tests, benchmarks
+        and shutdown: vLLM never needs it."""
+        with self._lock:
+            pending = [c.done for c in self._uncommitted]
+        _, not_done = futures_wait(pending, timeout=timeout_s)
+        return not not_done
 
     def _store(
         self, job_id: int, spec: StoreSpec, plan: JobPlan, gathered: Gathered
@@ -161,12 +180,12 @@ class TierStoreWorker(OffloadingWorker):
         finally:
             self._end_commits(batch)
 
-    @staticmethod
-    def _end_commits(batch: list[Commit]) -> None:
+    def _end_commits(self, batch: list[Commit]) -> None:
+        with self._lock:
+            self._uncommitted.difference_update(batch)
         for c in batch:
             if not c.done.done():
-                result = TransferResult(c.job_id, True, c.plan.nbytes, c.gathered.copy_seconds)
-                c.done.set_result(result)
+                c.done.set_result(_copied(c))
 
     def _store_failed(self, job_id: int, n_chunks: int, error: Exception) -> None:
         """A lost store costs a future recompute, never wrong output: the job is
@@ -296,3 +315,15 @@ class TierStoreWorker(OffloadingWorker):
         self._pool.shutdown(wait=True)
         self._commits.close(self._timeout_s)
         self.arena.close()
+
+
+def _copied(commit: Commit) -> TransferResult:
+    """A store job's result once its bytes are in its extents: the copy's own time (vLLM's
+    kv_offload bandwidth is the copy's, not Ray's)."""
+    return TransferResult(commit.job_id, True, commit.plan.nbytes, commit.gathered.copy_seconds)
+
+
+def _done(result: TransferResult) -> Future[TransferResult]:
+    future: Future[TransferResult] = Future()
+    future.set_result(result)
+    return future
