@@ -50,8 +50,9 @@ class Endpoint:
         self._payload = np.random.default_rng(_SEED).integers(0, 255, size, dtype=np.uint8)
 
     def store(self, key: bytes) -> str:
-        """Stores the source pages as one chunk; returns this node's id."""
+        """Stores the source pages as one chunk, held and indexed; returns this node's id."""
         self._jobs.store(ChunkKey(key))
+        self._jobs.wait_committed()
         return ray.get_runtime_context().get_node_id()
 
     def load_s(self, key: bytes, where: str) -> float:
