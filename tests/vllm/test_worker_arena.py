@@ -71,6 +71,51 @@ def test_a_store_and_a_load_go_through_the_arena_byte_exact(cfg: TierStoreConfig
     assert status["arena"]["granted_bytes"] == 0
 
 
+def _loaded_exact(kv: list[torch.Tensor], original: list[torch.Tensor]) -> bool:
+    """DST's blocks hold SRC's pages."""
+    pages = all(
+        torch.equal(kv[0][d, :96], original[0][s, :96])
+        for s, d in zip([1, 2, 3, 4], [20, 21, 22, 23], strict=True)
+    )
+    return pages and torch.equal(kv[1][24, :200], original[1][5, :200])
+
+
+def test_a_load_hashes_while_its_pin_is_in_flight_and_checks_a_stale_hint_again(
+    cfg: TierStoreConfig,
+) -> None:
+    """The worker remembers where it committed each shard and hashes there while the pin
+    call is in flight; the early digests count only for the extents the pin names. A
+    hint that names other extents (the shard moved) is hashed again where it is."""
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    worker = _worker(cfg, kv)
+    _store(worker, 1, 0)
+    _pool_ready(worker)
+    keys = _store(worker, 2, 10)
+    assert worker.arena.arena_stores >= 1
+    worker.submit_load(3, _load_spec(cfg, keys), DST)
+    assert _drain(worker, 1) == [3]
+    assert _loaded_exact(kv, original)
+    assert (worker.arena.arena_loads, worker.arena.early_verified) == (1, 1)
+
+    arena = worker.arena._arena
+    other = [(at + 64, n) for at, n in arena_hints(worker, keys)]  # wrong: elsewhere
+    worker.arena._hints.remember(arena.epoch, NS, keys, other)
+    for t in kv:
+        t[20:25].zero_()
+    worker.submit_load(4, _load_spec(cfg, keys), DST)
+    assert _drain(worker, 1) == [4]
+    assert _loaded_exact(kv, original)
+    assert (worker.arena.arena_loads, worker.arena.early_verified) == (2, 1)
+    worker.shutdown()
+
+
+def arena_hints(worker: TierStoreWorker, keys: list) -> list[tuple[int, int]]:
+    found = worker.arena._hints.extents(worker.arena._arena.epoch, NS, keys)
+    assert found is not None, "the worker has no hint for the shards it committed"
+    return found
+
+
 def test_a_corrupt_extent_fails_the_load_and_is_never_scattered(cfg: TierStoreConfig) -> None:
     """A shard whose extent changed after its commit fails the same-node load's check
     (nothing is copied) and the object store's again: the job is reported failed (its

@@ -6,8 +6,9 @@ there: its blocks may be reused. The commit thread then hashes the extents (off 
 model-runner thread, beside the next forward) and sends (key, extent, digest) to the
 NodeStore, batched with others (:mod:`tierstore.vllm.commit_queue`), answered later;
 the NodeStore adopts the extents as they are, no copy, no second hash. A same-node load
-pins its shards' extents, verifies each digest in the mapping and scatters straight
-from it, then unpins (one-way).
+pins its shards' extents, verifies each digest in the mapping (hashing where it last
+saw them while the pin is in flight: :mod:`tierstore.vllm.extent_hints`) and scatters
+straight from it, then unpins (one-way, from another thread).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -34,6 +35,7 @@ from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
+from tierstore.vllm.extent_hints import ExtentHints
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
 
@@ -87,6 +89,8 @@ class ArenaJobs:
         self.pool_misses = 0  # store jobs that found no granted extents (object store)
         self.arena_loads = 0
         self.arena_rejected = 0  # same-node loads whose extents did not fit or verify
+        self._hints = ExtentHints()  # where shards were last seen, for loads
+        self.early_verified = 0  # same-node loads verified while their pin was in flight
 
     # ---- set-up ----------------------------------------------------------------------------
     def _ready(self, sizes: list[int] | None = None) -> WorkerArena | None:
@@ -140,16 +144,19 @@ class ArenaJobs:
         if arena is None:
             return None
         offsets = arena.take(sizes)
-        if offsets is None:
-            self.pool_misses += 1
-            return None
         try:
-            gathered = self._copier.gather_into(
-                plan, block_ids, arena.array, runs_of(plan.chunks, offsets)
-            )
-        except BaseException:
-            arena.give_back(offsets)
-            raise
+            if offsets is None:
+                self.pool_misses += 1
+                return None
+            try:
+                gathered = self._copier.gather_into(
+                    plan, block_ids, arena.array, runs_of(plan.chunks, offsets)
+                )
+            except BaseException:
+                arena.give_back(offsets)
+                raise
+        finally:
+            arena.refill()
         self.arena_stores += 1
         return Filled(arena, offsets, arena.array), gathered
 
@@ -166,13 +173,17 @@ class ArenaJobs:
         for group in groups.values():
             arena = group[0].filled.arena
             entries = [entry for c in group for entry in self._entries(c)]
+            namespace = group[0].spec.namespace
             try:
-                kept = arena.commit(group[0].spec.namespace, self._rank, self._world_size, entries)
+                kept = arena.commit(namespace, self._rank, self._world_size, entries)
             except Exception as exc:
                 failed += [(c, exc) for c in group]
                 continue
             if kept is None:
                 stale += group
+            else:  # a hint for later loads (a shard not kept is a wrong hint: harmless)
+                extents = [(e.offset, e.nbytes) for e in entries]
+                self._hints.remember(arena.epoch, namespace, [e.key for e in entries], extents)
         return stale, failed
 
     @staticmethod
@@ -205,14 +216,23 @@ class ArenaJobs:
             return False
         if set(spec.keys_by_node(self._rank)) != {self._local_node}:
             return False
+        keys, view = list(spec.keys), arena.array
+        hinted = self._hints.extents(arena.epoch, spec.namespace, keys)
         try:
-            pins = arena.pin(spec.namespace, self._rank, list(spec.keys))
+            pinned = arena.pin(spec.namespace, self._rank, keys)  # sent; answered below
+            # While the pin is in flight: hash where the shards were last seen.
+            early = [(at, digest(view[at : at + n])) for at, n in hinted or ()]
+            pins = pinned()
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...
             logger.debug("arena pin failed (%s); loading through the object store", exc)
             return False
+        self._hints.remember(arena.epoch, spec.namespace, keys, [(a, m.nbytes) for a, m in pins])
         offsets = [at for at, _ in pins]
+        # The early digests count only if they name the pinned extents and equal theirs.
+        hashed = early == [(at, meta.digest) for at, meta in pins]
+        self.early_verified += hashed
         try:
-            if not self._verified_scatter(arena.array, plan, pins, scatter, offsets):
+            if not self._verified_scatter(view, plan, pins, scatter, hashed):
                 self.arena_rejected += 1
                 return False  # the NodeStore's load checks again, and reports it
         finally:
@@ -226,18 +246,17 @@ class ArenaJobs:
         plan: JobPlan,
         pins: list[tuple[int, ShardMeta]],
         scatter: Scatter,
-        offsets: list[int],
+        hashed: bool,
     ) -> bool:
-        """Verify the pinned extents, then copy them into the load's blocks; False (and
-        nothing copied) if a shard does not fit the plan or fails its digest."""
+        """Verify the pinned extents (unless ``hashed`` already, while the pin was in
+        flight), then copy them into the load's blocks; False (and nothing copied) if a
+        shard does not fit the plan or fails its digest."""
         for chunk, (_, meta) in zip(plan.chunks, pins, strict=True):
             if meta.nbytes != chunk.nbytes or chunk.slot_mask & ~meta.slot_mask:
                 return False
-        expected = [meta.digest for _, meta in pins]
-        runs = runs_of(plan.chunks, offsets)
-        if [digest(view[at : at + meta.nbytes]) for at, meta in pins] != expected:
+        if not hashed and any(digest(view[at : at + m.nbytes]) != m.digest for at, m in pins):
             return False
-        scatter.from_extents(view, runs)
+        scatter.from_extents(view, runs_of(plan.chunks, [at for at, _ in pins]))
         return True
 
     def close(self) -> None:

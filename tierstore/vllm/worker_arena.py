@@ -7,8 +7,8 @@ the arena cannot be used (no arena on the node, a mapping that fails, a pool tha
 empty), the worker takes the object-store path, so nothing ever waits for a grant.
 
 Threads: ``take`` runs on the model-runner thread and never blocks; everything else on
-transfer threads; pool refills on this class's own thread, which logs and survives its
-errors.
+transfer threads; pool refills and unpins on this class's own thread, which logs and
+survives its errors.
 """
 
 from __future__ import annotations
@@ -109,10 +109,13 @@ class WorkerArena:
 
     def take(self, sizes: list[int]) -> list[int] | None:
         """Model-runner thread: granted extents for a job's shards, or None (take the
-        other path); either way a refill is queued if the pool runs low."""
-        offsets = self.pool.take(sizes)
+        other path). Call :meth:`refill` after the job's copy."""
+        return self.pool.take(sizes)
+
+    def refill(self) -> None:
+        """Any thread, never blocks: queue a refill (it asks only for what the pool
+        lacks). Queued after a store's copy, so its grant call does not compete with it."""
         self._queue_refill()
-        return offsets
 
     def commit(
         self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
@@ -146,17 +149,25 @@ class WorkerArena:
     # ---- loads -----------------------------------------------------------------------------
     def pin(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
-    ) -> list[tuple[int, ShardMeta]]:
-        """Transfer thread: the shards' extents and metadata, pinned until :meth:`unpin`."""
-        return (
-            self._calls()
-            .arena_pin(self.holder, self.epoch, namespace, rank, keys)
-            .result(self._timeout_s)
-        )
+    ) -> Callable[[], list[tuple[int, ShardMeta]]]:
+        """Transfer thread: sends the pin and returns at once; calling the result waits
+        (deadline: the transfer timeout) for the shards' extents and metadata, pinned
+        until :meth:`unpin`."""
+        reply = self._calls().arena_pin(self.holder, self.epoch, namespace, rank, keys)
+        return lambda: reply.result(self._timeout_s)
 
     def unpin(self, offsets: list[int]) -> None:
-        try:  # one-way: the NodeStore also unpins what a dead holder left
-            self._calls().arena_unpin(self.holder, self.epoch, offsets)
+        """Any thread, never waits: sent from the refill thread, so a load is reported
+        done without paying for the call (one-way; the NodeStore also unpins what a dead
+        holder left)."""
+        try:
+            self._refiller.submit(self._unpin, self.epoch, offsets)
+        except RuntimeError:  # shut down
+            self._unpin(self.epoch, offsets)
+
+    def _unpin(self, epoch: str, offsets: list[int]) -> None:
+        try:
+            self._calls().arena_unpin(self.holder, epoch, offsets)
         except Exception:
             logger.warning("could not unpin %d extents", len(offsets), exc_info=True)
 

@@ -1,0 +1,54 @@
+"""Where a worker last saw each shard in its node's arena: lets a same-node load verify
+the extents while its pin call is in flight.
+
+A hint is only a guess (the shard may have been evicted since, or stored again
+elsewhere): the load still pins, and uses the early digests only when the pin names the
+same extents and their committed digests equal what was hashed. Bytes hashed before the
+pin that equal the digest the pin answers for the same extent are that shard's bytes
+(the checksum's own assumption), and once pinned they cannot change until the unpin.
+
+Threads: any; one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from tierstore.keys import ChunkKey, Namespace
+
+# Bounded: an engine may run for weeks; a forgotten hint only costs one overlap.
+MAX_HINTS = 1 << 16
+
+_Key = tuple[str, Namespace, ChunkKey]  # (arena epoch, namespace, key)
+
+
+class ExtentHints:
+    def __init__(self, max_hints: int = MAX_HINTS) -> None:
+        self._extents: OrderedDict[_Key, tuple[int, int]] = OrderedDict()  # offset, bytes
+        self._max = max_hints
+        self._lock = threading.Lock()
+
+    def remember(
+        self,
+        epoch: str,
+        namespace: Namespace,
+        keys: Sequence[ChunkKey],
+        extents: Sequence[tuple[int, int]],
+    ) -> None:
+        """``extents``: (offset, bytes) of each key's shard of this worker's rank."""
+        with self._lock:
+            for key, extent in zip(keys, extents, strict=True):
+                self._extents[(epoch, namespace, key)] = extent
+                self._extents.move_to_end((epoch, namespace, key))
+            while len(self._extents) > self._max:
+                self._extents.popitem(last=False)
+
+    def extents(
+        self, epoch: str, namespace: Namespace, keys: Sequence[ChunkKey]
+    ) -> list[tuple[int, int]] | None:
+        """Every key's last known extent in this arena, or None if one is unknown."""
+        with self._lock:
+            found = [self._extents.get((epoch, namespace, key)) for key in keys]
+        return None if None in found else found  # type: ignore[return-value]
