@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from tierstore.vllm.cpu_affinity import leave_compute_cores
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -57,6 +59,7 @@ class BatchQueue(Generic[T]):
         self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        leave_compute_cores()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._items or self._closed)

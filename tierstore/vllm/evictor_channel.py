@@ -22,6 +22,7 @@ from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.keys import ChunkKey, Namespace
 from tierstore.store.ports import Reply
+from tierstore.vllm.cpu_affinity import leave_compute_cores
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ class EvictorChannel:
 
     # ---- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        leave_compute_cores()
         while True:
             batch = [self._queue.get()]
             while True:  # drain: everything queued so far goes out together

@@ -51,6 +51,7 @@ from tierstore.errors import TierStoreError
 from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.arena_jobs import ArenaJobs, Commit
 from tierstore.vllm.commit_queue import BatchQueue
+from tierstore.vllm.cpu_affinity import leave_compute_cores
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
 from tierstore.vllm.object_loads import ObjectLoads
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
@@ -78,7 +79,9 @@ class TierStoreWorker(OffloadingWorker):
         self._ports = ports
         self._timeout_s = transfer_timeout_s
         # One thread keeps a job's put/ack ordered; Ray calls release the GIL while waiting.
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tierstore-xfer")
+        self._pool = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="tierstore-xfer", initializer=leave_compute_cores
+        )
         self._jobs: dict[int, Future[TransferResult]] = {}
         # Store job -> its copy out of the KV blocks: all that wait() needs (the blocks
         # are free to reuse once it is done; the put and the ack may come later).

@@ -28,6 +28,7 @@ from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import ChunkKey, Namespace
 from tierstore.store.node_store import ShardEntry
 from tierstore.store.ports import Reply
+from tierstore.vllm.cpu_affinity import leave_compute_cores
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,9 @@ class WorkerArena:
         self._lock_file = HolderLock(info.path)
         self.holder = self._lock_file.holder
         self.pool = ExtentPool(max(grant_room // _POOL_SHARE, 0), info.epoch)
-        self._refiller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-grant")
+        self._refiller = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tierstore-grant", initializer=leave_compute_cores
+        )
         self._refilling = threading.Lock()  # held while a refill is queued or running
         self.stale = False  # the NodeStore has a new arena: this mapping is of the old one
 
