@@ -17,6 +17,7 @@ from tierstore.actors.worker_ports import RayWorkerPorts
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import NodeId
+from tierstore.vllm.cpu_affinity import started_threads_leave_compute_cores
 from tierstore.vllm.evictor_channel import EvictorCalls
 from tierstore.vllm.spec import TierStoreSpecBase
 from tierstore.vllm.worker import TierStoreWorker
@@ -33,7 +34,8 @@ class TierStoreSpec(TierStoreSpecBase):
         return evictor, NodeId(ray.get_runtime_context().get_node_id())
 
     def _connect_worker(self, layout: ChunkLayout) -> OffloadingWorker:
-        connect(self.store_config)
+        with started_threads_leave_compute_cores():  # Ray's threads, on a vLLM-CPU worker
+            connect(self.store_config)
         return connect_worker(
             self.store_config,
             layout,

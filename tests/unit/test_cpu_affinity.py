@@ -8,7 +8,12 @@ import threading
 
 import pytest
 
-from tierstore.vllm.cpu_affinity import leave_compute_cores, parse_cpu_list, usable_cpus
+from tierstore.vllm.cpu_affinity import (
+    leave_compute_cores,
+    parse_cpu_list,
+    started_threads_leave_compute_cores,
+    usable_cpus,
+)
 
 
 def _mask_of_a_thread_started_from(bound: set[int] | None) -> set[int]:
@@ -49,3 +54,29 @@ def test_cpu_lists_parse_as_the_kernel_writes_them() -> None:
     assert parse_cpu_list("1") == {1}
     with pytest.raises(ValueError):
         parse_cpu_list("\n")
+
+
+@pytest.mark.skipif(len(usable_cpus()) < 2, reason="needs two CPUs")
+def test_threads_started_inside_the_block_leave_the_bound_cpus() -> None:
+    """As ``ray.init`` in a bound vLLM-CPU worker: the threads it starts move; the
+    caller stays where vLLM bound it."""
+    cpus = usable_cpus()
+    compute = {max(cpus)}
+    seen: dict[str, set[int]] = {}
+
+    def creator() -> None:
+        os.sched_setaffinity(0, compute)
+        release = threading.Event()
+        started = threading.Thread(target=release.wait)
+        with started_threads_leave_compute_cores():
+            started.start()
+        assert started.native_id is not None
+        seen["started"] = os.sched_getaffinity(started.native_id)
+        seen["caller"] = os.sched_getaffinity(0)
+        release.set()
+        started.join()
+
+    thread = threading.Thread(target=creator)
+    thread.start()
+    thread.join()
+    assert seen == {"started": cpus - compute, "caller": compute}

@@ -7,15 +7,19 @@ hashes, Ray calls) would then take turns with the forward on the compute cores w
 the cores vLLM leaves free sit idle: vLLM keeps one for the front end and, when a KV
 connector is set, tries to keep one more for it (its own NIXL connector binds its
 transfer thread there). So each of those threads calls :func:`leave_compute_cores`
-first, which moves it to the CPUs its creator is not bound to. Where nothing is bound
-(a GPU worker, ``VLLM_CPU_OMP_THREADS_BIND=nobind``) or every core is, it changes
-nothing.
+first, which moves it to the CPUs its creator is not bound to, and the threads Ray
+starts in the worker when it connects (its RPC and event loops, which carry every
+actor call) are moved there too (:func:`started_threads_leave_compute_cores`). Where
+nothing is bound (a GPU worker, ``VLLM_CPU_OMP_THREADS_BIND=nobind``) or every core
+is, it changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -44,6 +48,32 @@ def leave_compute_cores() -> None:
             sorted(free),
             sorted(bound),
         )
+
+
+@contextmanager
+def started_threads_leave_compute_cores() -> Iterator[None]:
+    """The OS threads started inside this block (``ray.init``'s) leave the calling
+    thread's CPUs for the others, as :func:`leave_compute_cores` does. Never raises."""
+    before = _thread_ids()
+    yield
+    try:
+        free = usable_cpus() - os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return
+    if not free:
+        return
+    for tid in _thread_ids() - before:
+        try:
+            os.sched_setaffinity(tid, free)
+        except OSError:  # ended already
+            continue
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
 
 
 def usable_cpus() -> set[int]:
