@@ -11,8 +11,9 @@ Runtime rules (vLLM's model-runner thread calls every method):
   another node, an arena CUDA would not register) bytes go through the object store
   (:mod:`tierstore.vllm.object_loads`: one copy in, read in place, scattered per shard).
 - a store gathered into arena extents is reported finished once its bytes are there
-  (copied and hashed): its source blocks may be reused, and the extents stay this
-  worker's until its commit, sent in a batch from one sender thread, is answered
+  (copied; the commit thread hashes them after): its source blocks may be reused, and
+  the extents stay this worker's until its commit, sent in a batch from that thread, is
+  answered
   (:meth:`TierStoreWorker.wait_committed`); the scheduler's manager asks again for a key
   it saw stored until the Evictor indexes it. An object-store store is reported
   finished once the NodeStore holds it (its job buffer is reused after). A load only
@@ -119,7 +120,7 @@ class TierStoreWorker(OffloadingWorker):
         commit = Commit(job_id, extents, dst_spec, plan, gathered)
         with self._lock:
             self._uncommitted.add(commit)
-        if gathered.copied():  # host copies: already in the extents (and hashed)
+        if gathered.copied():  # host copies: already in the extents
             self._track(job_id, _done(_copied(commit)))
             self._queue_commit(commit)
         else:  # a device copy still running: queue it from a transfer thread once done
@@ -140,8 +141,8 @@ class TierStoreWorker(OffloadingWorker):
 
     def wait_committed(self, timeout_s: float) -> bool:
         """Blocks until every arena store submitted so far was committed (answered by its
-        NodeStore, or failed and counted); False at the deadline. For tests, benchmarks
-        and shutdown: vLLM never needs it."""
+        NodeStore, or failed and counted); False at the deadline. For tests and
+        benchmarks: vLLM never needs it."""
         with self._lock:
             pending = [c.done for c in self._uncommitted]
         _, not_done = futures_wait(pending, timeout=timeout_s)
