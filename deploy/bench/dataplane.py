@@ -2,13 +2,14 @@
 
 All in one run on the same Ray cluster: a job of ``size`` bytes of KV pages is stored
 and loaded back by a real worker on the node. A store gathers straight into extents of
-the node's arena, hashing as it copies, and is done (for vLLM: its blocks are free) once
-its bytes are there: ``store_vs_memcpy``. Its commit is answered later, once the
-NodeStore adopted it and the Evictor indexed it: ``store_committed_vs_memcpy`` times
-both. A load pins the extents (one round trip), scatters straight from them hashing as
-it copies, and checks the digests. The baselines move the same bytes with
-``numpy.copyto`` and with ``ray.put`` + ``ray.get`` of a numpy array. The "host_copy"
-section times the host copy executors alone (``hostcopy``), no Ray."""
+the node's arena and is done (for vLLM: its blocks are free) once its bytes are there:
+``store_vs_memcpy``. The worker's commit thread then hashes it and commits it, answered
+once the NodeStore adopted it and the Evictor indexed it: ``store_committed_vs_memcpy``
+times all of that. A load pins the extents (one round trip; the worker hashes where it
+last saw them meanwhile), checks the digests and scatters straight from the extents.
+The baselines move the same bytes with ``numpy.copyto`` and with ``ray.put`` +
+``ray.get`` of a numpy array. The "host_copy" section times the host copy executors
+alone (``hostcopy``), no Ray."""
 
 from __future__ import annotations
 

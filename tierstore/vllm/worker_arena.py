@@ -108,17 +108,12 @@ class WorkerArena:
     def expect(self, sizes: list[int]) -> None:
         """Fill the pool for jobs of these shard sizes (in the background)."""
         self.pool.expect(sizes)
-        self._queue_refill()
+        self.refill()
 
     def take(self, sizes: list[int]) -> list[int] | None:
         """Model-runner thread: granted extents for a job's shards, or None (take the
         other path). Call :meth:`refill` after the job's copy."""
         return self.pool.take(sizes)
-
-    def refill(self) -> None:
-        """Any thread, never blocks: queue a refill (it asks only for what the pool
-        lacks). Queued after a store's copy, so its grant call does not compete with it."""
-        self._queue_refill()
 
     def commit(
         self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
@@ -179,7 +174,10 @@ class WorkerArena:
         return self.mapping.array
 
     # ---- refills ---------------------------------------------------------------------------
-    def _queue_refill(self) -> None:
+    def refill(self) -> None:
+        """Any thread, never blocks: queue a refill (it asks only for what the pool
+        lacks). A store queues it after its copy, so the grant call does not compete
+        with the copy."""
         if self._refilling.acquire(blocking=False):
             try:
                 self._refiller.submit(self._refill)
