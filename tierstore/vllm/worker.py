@@ -10,13 +10,15 @@ Runtime rules (vLLM's model-runner thread calls every method):
   registered for DMA, ``cudaHostRegister``); otherwise (no arena, an empty pool,
   another node, an arena CUDA would not register) bytes go through the object store
   (:mod:`tierstore.vllm.object_loads`: one copy in, read in place, scattered per shard).
-- a store gathered into arena extents is reported finished once its bytes are there
-  (copied; the commit thread hashes them after): its source blocks may be reused, and
-  the extents stay this worker's until its commit, sent in a batch from that thread, is
-  answered
-  (:meth:`TierStoreWorker.wait_committed`); the scheduler's manager asks again for a key
-  it saw stored until the Evictor indexes it. An object-store store is reported
-  finished once the NodeStore holds it (its job buffer is reused after). A load only
+- every store goes through one *store stream* thread, in submission order (so the
+  Evictor's LRU/ARC ranks this worker's chunks by when they were stored, whichever
+  path each took). A store gathered into arena extents is reported finished once its
+  bytes are there (copied; the stream hashes them after): its source blocks may be
+  reused, and the extents stay this worker's until its commit, sent in a batch from
+  the stream, is answered (:meth:`TierStoreWorker.wait_committed`); the scheduler's
+  manager asks again for a key it saw stored until the Evictor indexes it. An
+  object-store store is reported finished once the NodeStore holds it (its job buffer
+  is reused after). A load only
   once its bytes were verified (length, slot coverage, xxh3) and are in the
   destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
@@ -36,6 +38,9 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
+from itertools import groupby
+from typing import cast
 
 import numpy as np
 from typing_extensions import override
@@ -64,6 +69,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["NodeStoreCalls", "TierStoreWorker", "WorkerPorts"]
 
 
+@dataclass(frozen=True, eq=False)
+class ObjectPut:
+    """A store job that found no granted arena extents: its bytes go to the NodeStore
+    through the object store, from the store stream; ``done`` is its job's result."""
+
+    job_id: int
+    spec: StoreSpec
+    plan: JobPlan
+    gathered: Gathered
+    done: Future[TransferResult] = field(default_factory=Future)
+
+
 class TierStoreWorker(OffloadingWorker):
     def __init__(
         self,
@@ -79,7 +96,7 @@ class TierStoreWorker(OffloadingWorker):
         self._world_size = world_size
         self._ports = ports
         self._timeout_s = transfer_timeout_s
-        # One thread keeps a job's put/ack ordered; Ray calls release the GIL while waiting.
+        # Loads, and arena stores waiting for their device copy; Ray calls release the GIL.
         self._pool = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="tierstore-xfer", initializer=leave_compute_cores
         )
@@ -90,7 +107,7 @@ class TierStoreWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
-        self._commits = BatchQueue(self._send_commits, "tierstore-commit")
+        self._stores = BatchQueue(self._send_stores, "tierstore-stores")
         self._uncommitted: set[Commit] = set()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
         self.arena = ArenaJobs(
@@ -114,15 +131,17 @@ class TierStoreWorker(OffloadingWorker):
         extents, gathered = filled or (None, self._copier.gather(plan, src_spec.block_ids))
         with self._lock:
             self._gathers[job_id] = gathered
-        if extents is None:
-            self._track(job_id, self._pool.submit(self._store, job_id, dst_spec, plan, gathered))
+        if extents is None:  # put from the store stream, in submission order
+            put = ObjectPut(job_id, dst_spec, plan, gathered)
+            self._track(job_id, put.done)
+            self._queue_store(put)
             return True
         commit = Commit(job_id, extents, dst_spec, plan, gathered)
         with self._lock:
             self._uncommitted.add(commit)
         if gathered.copied():  # host copies: already in the extents
             self._track(job_id, _done(_copied(commit)))
-            self._queue_commit(commit)
+            self._queue_store(commit)
         else:  # a device copy still running: queue it from a transfer thread once done
             self._track(job_id, self._pool.submit(self._commit_when_copied, commit))
         return True
@@ -136,7 +155,7 @@ class TierStoreWorker(OffloadingWorker):
             self._store_failed(commit.job_id, len(commit.plan.chunks), exc)
             self._end_commits([commit])
             return _copied(commit)
-        self._queue_commit(commit)
+        self._queue_store(commit)
         return _copied(commit)
 
     def wait_committed(self, timeout_s: float) -> bool:
@@ -148,28 +167,44 @@ class TierStoreWorker(OffloadingWorker):
         _, not_done = futures_wait(pending, timeout=timeout_s)
         return not not_done
 
-    def _store(
-        self, job_id: int, spec: StoreSpec, plan: JobPlan, gathered: Gathered
-    ) -> TransferResult:
-        """Transfer thread: the object-store path (no arena extents at hand)."""
-        buffer = gathered()
+    def _put_object(self, put: ObjectPut) -> None:
+        """Store stream: the object-store path (no arena extents at hand); the job is
+        done once the NodeStore holds its bytes (its job buffer is reused after), or
+        once the store failed (counted)."""
         try:
-            self._put(spec, plan, buffer)
+            self._put(put.spec, put.plan, put.gathered())
         except Exception as exc:
-            self._store_failed(job_id, len(plan.chunks), exc)
+            self._store_failed(put.job_id, len(put.plan.chunks), exc)
         # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
-        return TransferResult(job_id, True, plan.nbytes, gathered.copy_seconds)
+        put.done.set_result(
+            TransferResult(put.job_id, True, put.plan.nbytes, put.gathered.copy_seconds)
+        )
 
-    def _queue_commit(self, commit: Commit) -> None:
-        """Any thread; never blocks. Every commit's job ends done, sent or not."""
+    def _queue_store(self, item: Commit | ObjectPut) -> None:
+        """Any thread; never blocks. Every queued job ends done, sent or not."""
         try:
-            self._commits.put(commit)
+            self._stores.put(item)
         except Exception as exc:  # shut down
-            self._store_failed(commit.job_id, len(commit.plan.chunks), exc)
-            self._end_commits([commit])
+            self._store_failed(item.job_id, len(item.plan.chunks), exc)
+            if isinstance(item, Commit):
+                self._end_commits([item])
+            else:
+                item.done.set_result(TransferResult(item.job_id, True))
+
+    def _send_stores(self, batch: list[Commit | ObjectPut]) -> None:
+        """Store stream thread: the queued stores in the order they were submitted, so
+        the Evictor ranks (LRU, ARC) this worker's chunks by when they were stored, even
+        when the arena pool ran dry and some went through the object store. A run of
+        arena commits goes in one call; each object put in its own."""
+        for is_commit, run in groupby(batch, key=lambda item: isinstance(item, Commit)):
+            if is_commit:
+                self._send_commits(cast(list[Commit], list(run)))
+            else:
+                for put in run:
+                    self._put_object(cast(ObjectPut, put))
 
     def _send_commits(self, batch: list[Commit]) -> None:
-        """Commit thread: one call for the queued commits; a NodeStore with a new arena
+        """Store stream thread: one call for the queued commits; a NodeStore with a new arena
         (restarted) gets those jobs' bytes through the object store. Each job is
         reported done afterwards, whatever happened (a lost store is counted)."""
         try:
@@ -317,7 +352,7 @@ class TierStoreWorker(OffloadingWorker):
     @override
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-        self._commits.close(self._timeout_s)
+        self._stores.close(self._timeout_s)
         self.arena.close()
 
 
