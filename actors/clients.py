@@ -230,6 +230,9 @@ class NodeStoreClient:
     def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:
         return self._call("arena_unpin", holder, epoch, offsets)
 
+    def arena_loaded(self, epoch: str, shards: int, nbytes: int) -> Pending[None]:
+        return self._call("arena_loaded", epoch, shards, nbytes)
+
     def accept_replicas(
         self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
     ) -> Pending[None]:

@@ -324,6 +324,10 @@ class NodeStore:
     def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> None:
         self._arena.unpin(holder, epoch, offsets)
 
+    @_DATA
+    def arena_loaded(self, epoch: str, shards: int, nbytes: int) -> None:
+        self._arena.loaded(epoch, shards, nbytes)
+
     def __ray_shutdown__(self) -> None:
         """Graceful stop: the arena's file goes (a killed NodeStore's is replaced or
         removed by the next one)."""

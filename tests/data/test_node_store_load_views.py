@@ -25,8 +25,9 @@ SHARD = 4 * KiB
 
 @pytest.fixture
 def core() -> Iterator[NodeStoreCore]:
-    # An arena of one shard's extent: a second shard fits only by reusing the first's.
-    region = ArenaRegion.create("ns-test", uuid.uuid4().hex, SHARD)
+    # Room for one shard's extent (the generation table takes a bit of the second
+    # page): a second shard fits only by reusing the first's.
+    region = ArenaRegion.create("ns-test", uuid.uuid4().hex, 2 * SHARD)
     tier = ArenaTier(region, capacity_bytes=SHARD)
     yield NodeStoreCore(NODE, tier, None, AdmitAll())
     tier.close()

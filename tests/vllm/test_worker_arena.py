@@ -1,6 +1,7 @@
 """Stores and loads through the node's shared arena: real Ray, real NodeStore, real
 shared mapping. One copy each way: gathered into granted extents and adopted by the
-NodeStore; loaded by pinning extents and scattering straight from them."""
+NodeStore; loaded straight from the extents (unpinned where the worker knows their
+generation, else pinned)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from tests.support import poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _worker
 from tierstore.config import TierStoreConfig
+from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
+from tierstore.data.arena.region import ArenaMapping
 from tierstore.keys import NodeId
 from tierstore.vllm.transfer_specs import StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
@@ -80,40 +83,91 @@ def _loaded_exact(kv: list[torch.Tensor], original: list[torch.Tensor]) -> bool:
     return pages and torch.equal(kv[1][24, :200], original[1][5, :200])
 
 
-def test_a_load_hashes_while_its_pin_is_in_flight_and_checks_a_stale_hint_again(
-    cfg: TierStoreConfig,
-) -> None:
-    """The worker remembers where it committed each shard and hashes there while the pin
-    call is in flight; the early digests count only for the extents the pin names. A
-    hint that names other extents (the shard moved) is hashed again where it is."""
-    kv = _kv()
-    original = [t.clone() for t in kv]
-    worker = _worker(cfg, kv)
+def _stored_and_pool_ready(worker: TierStoreWorker) -> list:
     _store(worker, 1, 0)
     _pool_ready(worker)
     keys = _store(worker, 2, 10)
     assert worker.arena.arena_stores >= 1
+    return keys
+
+
+def test_a_load_of_shards_this_worker_committed_reads_them_unpinned_and_counts_them(
+    cfg: TierStoreConfig,
+) -> None:
+    """The worker remembers where it committed each shard and the extent's generation
+    then: a same-node load of them costs no round trip (no pin), is byte-exact, and the
+    NodeStore still counts the shards as loaded."""
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    worker = _worker(cfg, kv)
+    keys = _stored_and_pool_ready(worker)
+    loaded_before = _node_store().status().result()["stats"]["loaded_shards"]
     worker.submit_load(3, _load_spec(cfg, keys), DST)
     assert _drain(worker, 1) == [3]
     assert _loaded_exact(kv, original)
-    assert (worker.arena.arena_loads, worker.arena.early_verified) == (1, 1)
+    assert (worker.arena.arena_loads, worker.arena.unpinned_loads) == (1, 1)
+    stats = poll(
+        lambda: _node_store().status().result()["stats"],
+        10,
+        done=lambda s: s["loaded_shards"] == loaded_before + len(keys),
+    )
+    assert stats["loaded_shards"] == loaded_before + len(keys)
+    assert _node_store().status().result()["arena"]["pinned_extents"] == 0
+    worker.shutdown()
 
+
+def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_pinned(
+    cfg: TierStoreConfig,
+) -> None:
+    """The seqlock's second read: while the unpinned copy runs, the shard's extent is
+    freed (its generation bumped, in the shared table, as the NodeStore's free does)
+    and rewritten. The copy got other bytes, so the load must not end there: it pins
+    and scatters the shard again, and is reported done only with the right bytes."""
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    worker = _worker(cfg, kv)
+    keys = _stored_and_pool_ready(worker)
     arena = worker.arena._arena
-    other = [(at + 64, n) for at, n in arena_hints(worker, keys)]  # wrong: elsewhere
-    worker.arena._hints.remember(arena.epoch, NS, keys, other)
+    hints = worker.arena._hints.extents(arena.epoch, NS, keys)
+    assert hints is not None, "the worker has no hint for the shards it committed"
+    table = Generations(ArenaMapping(arena.info).array)  # another mapping of the file
+    mapping = ArenaMapping(arena.info).array
+    first = hints[0]
+    kept = mapping[first.offset : first.offset + first.meta.nbytes].copy()
+    prepare = worker._copier.prepare_scatter
+    tampered = []
+
+    def prepare_tampered(*args, **kwargs):
+        scatter = prepare(*args, **kwargs)
+        copy = scatter._from_extents
+
+        def freed_and_rewritten_meanwhile(view, runs) -> None:
+            if not tampered:  # the first try: the unpinned one
+                table.bump(first.offset)
+                mapping[first.offset : first.offset + first.meta.nbytes] = 7
+                tampered.append(True)
+                copy(view, runs)  # copies the other bytes
+                mapping[first.offset : first.offset + first.meta.nbytes] = kept
+            else:
+                copy(view, runs)
+
+        scatter._from_extents = freed_and_rewritten_meanwhile
+        return scatter
+
+    worker._copier.prepare_scatter = prepare_tampered
+    worker.submit_load(3, _load_spec(cfg, keys), DST)
+    assert _drain(worker, 1) == [3]
+    assert tampered and _loaded_exact(kv, original)
+    assert (worker.arena.arena_loads, worker.arena.unpinned_loads) == (1, 0)
+    # The pin refreshed the hints (the bumped generation): the next load is unpinned.
+    worker._copier.prepare_scatter = prepare
     for t in kv:
         t[20:25].zero_()
     worker.submit_load(4, _load_spec(cfg, keys), DST)
     assert _drain(worker, 1) == [4]
     assert _loaded_exact(kv, original)
-    assert (worker.arena.arena_loads, worker.arena.early_verified) == (2, 1)
+    assert (worker.arena.arena_loads, worker.arena.unpinned_loads) == (2, 1)
     worker.shutdown()
-
-
-def arena_hints(worker: TierStoreWorker, keys: list) -> list[tuple[int, int]]:
-    found = worker.arena._hints.extents(worker.arena._arena.epoch, NS, keys)
-    assert found is not None, "the worker has no hint for the shards it committed"
-    return found
 
 
 def test_a_corrupt_extent_fails_the_load_and_is_never_scattered(cfg: TierStoreConfig) -> None:

@@ -41,7 +41,7 @@ class ArenaStore:
 
     def info(self) -> tuple[RegionInfo, int]:
         """The arena, and its room beyond the CPU tier's capacity (for workers' pools)."""
-        return self.tier.info, self.tier.region.nbytes - self.tier.capacity_bytes
+        return self.tier.info, self.tier.generations.extents_bytes - self.tier.capacity_bytes
 
     def grant(self, holder: str, epoch: str, sizes: list[int]) -> tuple[str, list[int | None]]:
         """Extents for ``holder`` (None where the arena is full), and the current epoch."""
@@ -126,6 +126,12 @@ class ArenaStore:
     def unpin(self, holder: str, epoch: str, offsets: list[int]) -> None:
         if epoch == self.epoch:
             self.tier.unpin(holder, offsets)
+
+    def loaded(self, epoch: str, shards: int, nbytes: int) -> None:
+        """A worker read shards of this arena without pinning them (their extents'
+        generations held): counted as the loads they are."""
+        if epoch == self.epoch:
+            self._core._count(loaded_shards=shards, loaded_bytes=nbytes)
 
     def reclaim_dead(self) -> int:
         return self.tier.reclaim_dead()

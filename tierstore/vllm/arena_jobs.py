@@ -6,8 +6,10 @@ there: its blocks may be reused. The commit thread then hashes the extents (off 
 model-runner thread, beside the next forward) and sends (key, extent, digest) to the
 NodeStore, batched with others (:mod:`tierstore.vllm.commit_queue`), answered later;
 the NodeStore adopts the extents as they are, no copy, no second hash. A same-node load
-pins its shards' extents, verifies each digest in the mapping (hashing where it last
-saw them while the pin is in flight: :mod:`tierstore.vllm.extent_hints`) and scatters
+of shards whose extents the worker knows (it committed them, or pinned them before:
+:mod:`tierstore.vllm.extent_hints`) reads them with no round trip: generation, digest,
+copy, generation again (:mod:`tierstore.data.arena.generations`); otherwise, or if
+that check fails, it pins the extents, verifies each digest in the mapping, scatters
 straight from it, then unpins (one-way, from another thread).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
@@ -28,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 from vllm.v1.kv_offload.base import TransferResult
 
+from tierstore.data.arena.generations import UNPINNED_READS
 from tierstore.data.checksum import digest
 from tierstore.data.extent_copy import runs_of
 from tierstore.data.layout import JobPlan
@@ -35,7 +38,7 @@ from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId
 from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
-from tierstore.vllm.extent_hints import ExtentHints
+from tierstore.vllm.extent_hints import ExtentHint, ExtentHints
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
 
@@ -89,8 +92,8 @@ class ArenaJobs:
         self.pool_misses = 0  # store jobs that found no granted extents (object store)
         self.arena_loads = 0
         self.arena_rejected = 0  # same-node loads whose extents did not fit or verify
-        self._hints = ExtentHints()  # where shards were last seen, for loads
-        self.early_verified = 0  # same-node loads verified while their pin was in flight
+        self._hints = ExtentHints()  # where shards were last seen, for unpinned loads
+        self.unpinned_loads = 0  # same-node loads served from hints, no pin
 
     # ---- set-up ----------------------------------------------------------------------------
     def _ready(self, sizes: list[int] | None = None) -> WorkerArena | None:
@@ -174,6 +177,8 @@ class ArenaJobs:
             arena = group[0].filled.arena
             entries = [entry for c in group for entry in self._entries(c)]
             namespace = group[0].spec.namespace
+            # Still granted to this worker, so not freed: the generations they hold at.
+            generations = arena.generations.read([e.offset for e in entries])
             try:
                 kept = arena.commit(namespace, self._rank, self._world_size, entries)
             except Exception as exc:
@@ -181,9 +186,12 @@ class ArenaJobs:
                 continue
             if kept is None:
                 stale += group
-            else:  # a hint for later loads (a shard not kept is a wrong hint: harmless)
-                extents = [(e.offset, e.nbytes) for e in entries]
-                self._hints.remember(arena.epoch, namespace, [e.key for e in entries], extents)
+            else:  # hints for later loads (a shard not kept was freed: its hint fails)
+                hints = [
+                    ExtentHint(e.offset, ShardMeta(e.nbytes, e.digest, e.slot_mask), g)
+                    for e, g in zip(entries, generations, strict=True)
+                ]
+                self._hints.remember(arena.epoch, namespace, [e.key for e in entries], hints)
         return stale, failed
 
     @staticmethod
@@ -216,23 +224,24 @@ class ArenaJobs:
             return False
         if set(spec.keys_by_node(self._rank)) != {self._local_node}:
             return False
-        keys, view = list(spec.keys), arena.array
-        hinted = self._hints.extents(arena.epoch, spec.namespace, keys)
+        keys = list(spec.keys)
+        hints = self._hints.extents(arena.epoch, spec.namespace, keys) if UNPINNED_READS else None
+        if hints is not None and self._read_unpinned(arena, plan, hints, scatter):
+            arena.loaded_unpinned(len(keys), plan.nbytes)
+            self.unpinned_loads += 1
+            self.arena_loads += 1
+            return True
         try:
-            pinned = arena.pin(spec.namespace, self._rank, keys)  # sent; answered below
-            # While the pin is in flight: hash where the shards were last seen.
-            early = [(at, digest(view[at : at + n])) for at, n in hinted or ()]
-            pins = pinned()
+            pins = arena.pin(spec.namespace, self._rank, keys)
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...
             logger.debug("arena pin failed (%s); loading through the object store", exc)
             return False
-        self._hints.remember(arena.epoch, spec.namespace, keys, [(a, m.nbytes) for a, m in pins])
         offsets = [at for at, _ in pins]
-        # The early digests count only if they name the pinned extents and equal theirs.
-        hashed = early == [(at, meta.digest) for at, meta in pins]
-        self.early_verified += hashed
         try:
-            if not self._verified_scatter(view, plan, pins, scatter, hashed):
+            generations = arena.generations.read(offsets)  # pinned: not freed meanwhile
+            hints = [ExtentHint(at, m, g) for (at, m), g in zip(pins, generations, strict=True)]
+            self._hints.remember(arena.epoch, spec.namespace, keys, hints)
+            if not self._verified_scatter(arena.array, plan, hints, scatter):
                 self.arena_rejected += 1
                 return False  # the NodeStore's load checks again, and reports it
         finally:
@@ -240,23 +249,36 @@ class ArenaJobs:
         self.arena_loads += 1
         return True
 
+    @classmethod
+    def _read_unpinned(
+        cls, arena: WorkerArena, plan: JobPlan, hints: list[ExtentHint], scatter: Scatter
+    ) -> bool:
+        """Scatter the shards straight from where ``hints`` say they are, without a pin:
+        True only if each extent's generation was the hinted one before the hash and
+        still is after the copy, and its digest matched (see
+        :mod:`tierstore.data.arena.generations`). On False the caller pins and scatters
+        again (the blocks may hold bytes of this try; nothing reported them done)."""
+        offsets = [h.offset for h in hints]
+        generations = [h.generation for h in hints]
+        if arena.generations.read(offsets) != generations:
+            return False
+        if not cls._verified_scatter(arena.array, plan, hints, scatter):
+            return False
+        return arena.generations.read(offsets) == generations
+
     @staticmethod
     def _verified_scatter(
-        view: np.ndarray,
-        plan: JobPlan,
-        pins: list[tuple[int, ShardMeta]],
-        scatter: Scatter,
-        hashed: bool,
+        view: np.ndarray, plan: JobPlan, shards: list[ExtentHint], scatter: Scatter
     ) -> bool:
-        """Verify the pinned extents (unless ``hashed`` already, while the pin was in
-        flight), then copy them into the load's blocks; False (and nothing copied) if a
-        shard does not fit the plan or fails its digest."""
-        for chunk, (_, meta) in zip(plan.chunks, pins, strict=True):
+        """Verify the shards' extents (size, slots, digest), then copy them into the
+        load's blocks; False (and nothing copied) if one does not fit the plan or fails
+        its digest."""
+        for chunk, (_, meta, _) in zip(plan.chunks, shards, strict=True):
             if meta.nbytes != chunk.nbytes or chunk.slot_mask & ~meta.slot_mask:
                 return False
-        if not hashed and any(digest(view[at : at + m.nbytes]) != m.digest for at, m in pins):
+        if any(digest(view[at : at + m.nbytes]) != m.digest for at, m, _ in shards):
             return False
-        scatter.from_extents(view, runs_of(plan.chunks, [at for at, _ in pins]))
+        scatter.from_extents(view, runs_of(plan.chunks, [at for at, _, _ in shards]))
         return True
 
     def close(self) -> None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
+from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import ChunkKey, Namespace
 
 # Bounded: an engine may run for weeks; a forgotten hint only costs one overlap.
@@ -24,9 +26,15 @@ MAX_HINTS = 1 << 16
 _Key = tuple[str, Namespace, ChunkKey]  # (arena epoch, namespace, key)
 
 
+class ExtentHint(NamedTuple):
+    offset: int
+    meta: ShardMeta  # the committed shard's (its digest, bytes, slots)
+    generation: int  # the extent's generation while it held those bytes
+
+
 class ExtentHints:
     def __init__(self, max_hints: int = MAX_HINTS) -> None:
-        self._extents: OrderedDict[_Key, tuple[int, int]] = OrderedDict()  # offset, bytes
+        self._extents: OrderedDict[_Key, ExtentHint] = OrderedDict()
         self._max = max_hints
         self._lock = threading.Lock()
 
@@ -35,19 +43,19 @@ class ExtentHints:
         epoch: str,
         namespace: Namespace,
         keys: Sequence[ChunkKey],
-        extents: Sequence[tuple[int, int]],
+        hints: Sequence[ExtentHint],
     ) -> None:
-        """``extents``: (offset, bytes) of each key's shard of this worker's rank."""
+        """``hints``: where each key's shard of this worker's rank is."""
         with self._lock:
-            for key, extent in zip(keys, extents, strict=True):
-                self._extents[(epoch, namespace, key)] = extent
+            for key, hint in zip(keys, hints, strict=True):
+                self._extents[(epoch, namespace, key)] = hint
                 self._extents.move_to_end((epoch, namespace, key))
             while len(self._extents) > self._max:
                 self._extents.popitem(last=False)
 
     def extents(
         self, epoch: str, namespace: Namespace, keys: Sequence[ChunkKey]
-    ) -> list[tuple[int, int]] | None:
+    ) -> list[ExtentHint] | None:
         """Every key's last known extent in this arena, or None if one is unknown."""
         with self._lock:
             found = [self._extents.get((epoch, namespace, key)) for key in keys]

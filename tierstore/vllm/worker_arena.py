@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.pool import ExtentPool
 from tierstore.data.arena.region import ArenaMapping, RegionInfo
@@ -63,6 +64,8 @@ class ArenaCalls(Protocol):
 
     def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> Reply[None]: ...
 
+    def arena_loaded(self, epoch: str, shards: int, nbytes: int) -> Reply[None]: ...
+
 
 class WorkerArena:
     """Built by :meth:`connect`; ``calls`` gives the local NodeStore's current client."""
@@ -78,6 +81,9 @@ class WorkerArena:
         self._timeout_s = timeout_s
         self.info = info
         self.mapping = ArenaMapping(info)
+        self.generations = Generations(self.mapping.array)
+        self._unreported = [0, 0]  # shards, bytes read unpinned, not yet told the NodeStore
+        self._unreported_lock = threading.Lock()
         self._lock_file = HolderLock(info.path)
         self.holder = self._lock_file.holder
         self.pool = ExtentPool(max(grant_room // _POOL_SHARE, 0), info.epoch)
@@ -147,12 +153,11 @@ class WorkerArena:
     # ---- loads -----------------------------------------------------------------------------
     def pin(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
-    ) -> Callable[[], list[tuple[int, ShardMeta]]]:
-        """Transfer thread: sends the pin and returns at once; calling the result waits
-        (deadline: the transfer timeout) for the shards' extents and metadata, pinned
-        until :meth:`unpin`."""
+    ) -> list[tuple[int, ShardMeta]]:
+        """Transfer thread: the shards' extents and metadata, pinned until :meth:`unpin`
+        (waits up to the transfer timeout)."""
         reply = self._calls().arena_pin(self.holder, self.epoch, namespace, rank, keys)
-        return lambda: reply.result(self._timeout_s)
+        return reply.result(self._timeout_s)
 
     def unpin(self, offsets: list[int]) -> None:
         """Any thread, never waits: sent from the refill thread, so a load is reported
@@ -168,6 +173,26 @@ class WorkerArena:
             self._calls().arena_unpin(self.holder, epoch, offsets)
         except Exception:
             logger.warning("could not unpin %d extents", len(offsets), exc_info=True)
+
+    def loaded_unpinned(self, shards: int, nbytes: int) -> None:
+        """Any thread, never waits: tell the NodeStore (for its load counts) from the
+        refill thread; loads that end meanwhile go in the same one-way call."""
+        with self._unreported_lock:
+            self._unreported[0] += shards
+            self._unreported[1] += nbytes
+        try:
+            self._refiller.submit(self._report_loaded, self.epoch)
+        except RuntimeError:  # shut down: the counts are lost, nothing else
+            pass
+
+    def _report_loaded(self, epoch: str) -> None:
+        with self._unreported_lock:
+            (shards, nbytes), self._unreported = self._unreported, [0, 0]
+        if shards:
+            try:
+                self._calls().arena_loaded(epoch, shards, nbytes)
+            except Exception:
+                logger.debug("could not report %d unpinned loads", shards, exc_info=True)
 
     @property
     def array(self) -> np.ndarray:

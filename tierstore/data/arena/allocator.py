@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable
 
 DEFAULT_ALIGN = 64  # a cache line: extents never share one; DMA needs no more
 
@@ -28,12 +29,20 @@ class ExtentAllocator:
     """Byte ranges of ``[0, capacity)``; every extent is a multiple of ``align`` long and
     starts at a multiple of it."""
 
-    def __init__(self, capacity: int, align: int = DEFAULT_ALIGN) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        align: int = DEFAULT_ALIGN,
+        on_free: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_free(offset)``: called under the lock as an extent is freed, before its
+        bytes can be allocated again (the arena's generation bump)."""
         if align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a power of two, got {align}")
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.align = align
+        self._on_free = on_free
         self.capacity = capacity - capacity % align
         self._lock = threading.Lock()
         self._holes: dict[int, int] = {}  # start -> size
@@ -75,6 +84,8 @@ class ExtentAllocator:
                 prv is not None and prv + self._holes[prv] > offset
             ):
                 raise ValueError(f"extent [{offset}, {offset + size}) is already (partly) free")
+            if self._on_free is not None:
+                self._on_free(offset)
             if nxt == offset + size:
                 size += self._remove_hole(nxt)
             if prv is not None and prv + self._holes[prv] == offset:

@@ -30,6 +30,7 @@ import numpy as np
 from typing_extensions import override
 
 from tierstore.data.arena.allocator import DEFAULT_ALIGN, ExtentAllocator
+from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import Holdings
 from tierstore.data.arena.region import ArenaRegion, RegionInfo
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
@@ -48,7 +49,11 @@ class ArenaTier(Tier):
     ) -> None:
         super().__init__(capacity_bytes)
         self.region = region
-        self.allocator = ExtentAllocator(region.nbytes, align)
+        # Bumped as each extent is freed: same-node loads read committed extents unpinned.
+        self.generations = Generations(region.array)
+        self.allocator = ExtentAllocator(
+            self.generations.extents_bytes, align, on_free=self.generations.bump
+        )
         self.holdings = Holdings(region.info.path)
         # -> (offset, meta, extent bytes): an adopted extent may be bigger than its shard
         self._shards: dict[ShardId, tuple[int, ShardMeta, int]] = {}
