@@ -5,8 +5,10 @@ and loaded back by a real worker on the node. A store gathers straight into exte
 the node's arena and is done (for vLLM: its blocks are free) once its bytes are there:
 ``store_vs_memcpy``. The worker's commit thread then hashes it and commits it, answered
 once the NodeStore adopted it and the Evictor indexed it: ``store_committed_vs_memcpy``
-times all of that. A load pins the extents (one round trip; the worker hashes where it
-last saw them meanwhile), checks the digests and scatters straight from the extents.
+times all of that. A load of shards the worker committed itself reads their extents
+without a round trip (generation, digest, scatter, generation again): ``load_vs_memcpy``;
+``load_pinned_vs_memcpy`` times a load that first pins the extents, as one by another
+engine on the node (or after the extent moved) does.
 The baselines move the same bytes with ``numpy.copyto`` and with ``ray.put`` +
 ``ray.get`` of a numpy array. The "host_copy" section times the host copy executors
 alone (``hostcopy``), no Ray."""
@@ -115,6 +117,11 @@ class PageJobs:
     def load(self, spec: LoadSpec) -> None:
         self._run(lambda job: self._worker.submit_load(job, spec, self._destination))
 
+    def load_pinned(self, spec: LoadSpec) -> None:
+        """A load as by a worker that never saw these shards: it pins them first."""
+        self._worker.arena.forget_hints()
+        self.load(spec)
+
     def clear_loaded(self) -> None:
         self._kv[self._blocks + 1 :].zero_()
 
@@ -179,6 +186,9 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
     spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
     load_s = _median_s(lambda: jobs.load(spec))
     assert jobs.loaded_intact()  # the bytes really moved
+    jobs.clear_loaded()
+    pinned_s = _median_s(lambda: jobs.load_pinned(spec))
+    assert jobs.loaded_intact()
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     out = np.empty_like(data)
     memcpy_s = _median_s(lambda: np.copyto(out, data))
@@ -195,6 +205,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
             "tierstore_store_committed": gbps(committed_s),
             "tierstore_store_stream": gbps(stream_s / _STREAM_JOBS),
             "tierstore_load": gbps(load_s),
+            "tierstore_load_pinned": gbps(pinned_s),
             "memcpy": gbps(memcpy_s),
             "ray_put": gbps(put_s),
             "ray_get": gbps(get_s),
@@ -207,6 +218,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
         "store_stream_vs_memcpy": memcpy_s * _STREAM_JOBS / stream_s,
         "store_stream_pool_misses": misses,
         "load_vs_memcpy": memcpy_s / load_s,
+        "load_pinned_vs_memcpy": memcpy_s / pinned_s,
         "store_vs_ray_put_get": roundtrip_s / store_s,
         "load_vs_ray_put_get": roundtrip_s / load_s,
     }
@@ -244,6 +256,7 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         "tierstore_store_committed",
         "tierstore_store_stream",
         "tierstore_load",
+        "tierstore_load_pinned",
         "ray_put_get",
         "ray_put",
         "ray_get",

@@ -281,6 +281,10 @@ class ArenaJobs:
         scatter.from_extents(view, runs_of(plan.chunks, [at for at, _, _ in shards]))
         return True
 
+    def forget_hints(self) -> None:
+        """Loads pin again, as another engine's would (benchmarks)."""
+        self._hints = ExtentHints()
+
     def close(self) -> None:
         arena, self._arena = self._arena, None
         if arena is not None:

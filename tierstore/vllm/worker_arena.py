@@ -245,4 +245,7 @@ class WorkerArena:
         self._refiller.shutdown(wait=True)
         self.give_back(self.pool.drain())
         self._lock_file.close()
+        # The table is a view of the mapping: after it, every hint's check fails (a
+        # generation no extent reaches), so no load reads the unmapped arena.
+        self.generations = Generations(np.full(8, 255, dtype=np.uint8))
         self.mapping.close()
