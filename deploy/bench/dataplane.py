@@ -158,6 +158,17 @@ def _store_stream(jobs: PageJobs, namespace: str, round_: list[int]) -> tuple[fl
     return seconds, jobs.pool_misses - misses
 
 
+def _loads(jobs: PageJobs, spec: LoadSpec) -> tuple[float, float]:
+    """Median seconds of a load with the worker's own hints (no round trip), then of one
+    that pins first; each checked byte-exact."""
+    load_s = _median_s(lambda: jobs.load(spec))
+    assert jobs.loaded_intact()  # the bytes really moved
+    jobs.clear_loaded()
+    pinned_s = _median_s(lambda: jobs.load_pinned(spec))
+    assert jobs.loaded_intact()
+    return load_s, pinned_s
+
+
 def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, Any]:
     jobs = PageJobs(cfg, NS, size)
     evictor = EvictorClient(get_or_create_evictor(cfg))
@@ -184,11 +195,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
     (answer,) = evictor.lookup(NS, [keys[-1]], "bench", 60.0).result()
     stream_s, misses = _store_stream(jobs, cfg.namespace, round_)
     spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
-    load_s = _median_s(lambda: jobs.load(spec))
-    assert jobs.loaded_intact()  # the bytes really moved
-    jobs.clear_loaded()
-    pinned_s = _median_s(lambda: jobs.load_pinned(spec))
-    assert jobs.loaded_intact()
+    load_s, pinned_s = _loads(jobs, spec)
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     out = np.empty_like(data)
     memcpy_s = _median_s(lambda: np.copyto(out, data))
