@@ -175,10 +175,11 @@ class TierStoreWorker(OffloadingWorker):
             self._put(put.spec, put.plan, put.gathered())
         except Exception as exc:
             self._store_failed(put.job_id, len(put.plan.chunks), exc)
-        # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
-        put.done.set_result(
-            TransferResult(put.job_id, True, put.plan.nbytes, put.gathered.copy_seconds)
-        )
+        finally:
+            # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
+            put.done.set_result(
+                TransferResult(put.job_id, True, put.plan.nbytes, put.gathered.copy_seconds)
+            )
 
     def _queue_store(self, item: Commit | ObjectPut) -> None:
         """Any thread; never blocks. Every queued job ends done, sent or not."""
@@ -197,11 +198,15 @@ class TierStoreWorker(OffloadingWorker):
         when the arena pool ran dry and some went through the object store. A run of
         arena commits goes in one call; each object put in its own."""
         for is_commit, run in groupby(batch, key=lambda item: isinstance(item, Commit)):
-            if is_commit:
-                self._send_commits(cast(list[Commit], list(run)))
-            else:
-                for put in run:
-                    self._put_object(cast(ObjectPut, put))
+            items = list(run)
+            try:  # one failing run must not leave the later ones' jobs unfinished
+                if is_commit:
+                    self._send_commits(cast(list[Commit], items))
+                else:
+                    for put in items:
+                        self._put_object(cast(ObjectPut, put))
+            except Exception:
+                logger.error("sending %d queued stores failed", len(items), exc_info=True)
 
     def _send_commits(self, batch: list[Commit]) -> None:
         """Store stream thread: one call for the queued commits; a NodeStore with a new arena
