@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import ray
 from tierstore.actors.calls import held_of, offers_of, shard_ids_of
@@ -117,8 +118,10 @@ class Evictor:
 
     def stall_for_test(self, release_file: str, max_s: float) -> None:
         """Block this actor's only thread until ``release_file`` exists (or ``max_s``
-        passed): tests prove a NodeStore serves loads while its store waits on ``admit``."""
+        passed): tests prove a NodeStore serves loads while its store waits on ``admit``.
+        Writes ``<release_file>.stalled`` once blocking, so a test knows it is."""
         deadline = time.monotonic() + max_s
+        Path(release_file + ".stalled").touch()
         while not os.path.exists(release_file) and time.monotonic() < deadline:
             time.sleep(0.01)
 

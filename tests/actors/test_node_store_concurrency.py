@@ -10,6 +10,7 @@ import ray
 from tierstore.actors.bootstrap import get_or_create_evictor, get_or_create_node_store
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 
+from tests.support import poll
 from tierstore.config import TierStoreConfig
 from tierstore.data.checksum import digest
 from tierstore.keys import ChunkKey, Namespace
@@ -36,6 +37,8 @@ def test_a_load_is_served_while_a_store_waits_on_admit(
 
     release = tmp_path / "release"
     stall = evictor.stall_for_test(str(release), _STALL_MAX_S)
+    # Store only once the Evictor is blocked: the admit must queue behind the stall.
+    assert poll(lambda: (tmp_path / "release.stalled").exists(), 30), "the stall never began"
     new_key, new, new_entries = _chunk(2)
     pending = store.store(NS, 0, 1, new_entries, new)  # waits on the stalled admit
     try:
