@@ -3,7 +3,11 @@ to bursts of them) and stay within the budget, extents of a replaced arena never
 
 from __future__ import annotations
 
+import torch
+
 from tierstore.data.arena.pool import ExtentPool
+from tierstore.data.extent_copy import Run, runs_of
+from tierstore.data.layout import ChunkLayout
 
 
 def test_take_is_all_or_nothing_and_refills_to_twice_the_largest_job() -> None:
@@ -52,3 +56,20 @@ def test_a_burst_of_jobs_between_refills_grows_the_pool_to_twice_the_burst() -> 
     assert refill == [100] * 6  # twice the burst of three, none left in the pool
     pool.add(refill, list(range(200, 800, 100)), "a")
     assert all(pool.take([100]) is not None for _ in range(3))  # the next burst fits
+
+
+def test_extents_granted_back_to_back_are_taken_in_order_so_a_job_copies_as_one_run() -> None:
+    """A fresh arena grants ascending, adjacent extents: a job that takes them in that
+    order has its chunks back to back in the arena too, one copy instead of one per
+    chunk (34 chunks: 7x the time, measured)."""
+    layout = ChunkLayout([torch.zeros(64, 128, dtype=torch.int8)], [[(0, 128)]], 2)
+    plan = layout.plan([16], [0])  # 8 chunks of 256 bytes
+    sizes = [c.nbytes for c in plan.chunks]
+    pool = ExtentPool(budget_bytes=1 << 20, epoch="a")
+    pool.take(sizes)
+    wanted = pool.wanted()
+    pool.add(wanted, [i * 256 for i in range(len(wanted))], "a")
+    first, second = pool.take(sizes), pool.take(sizes)
+    assert first is not None and second is not None
+    assert runs_of(plan.chunks, first) == [Run(0, plan.nbytes, 0)]
+    assert runs_of(plan.chunks, second) == [Run(0, plan.nbytes, plan.nbytes)]

@@ -36,16 +36,16 @@ def runs_of(chunks: Sequence[ChunkPlacement], arena_offsets: Sequence[int]) -> l
     if len(chunks) != len(arena_offsets):
         raise ValueError(f"{len(arena_offsets)} extents for {len(chunks)} chunks")
     runs: list[Run] = []
+    lo = hi = arena_lo = -1
     for chunk, at in zip(chunks, arena_offsets, strict=True):
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and last.job_hi == chunk.offset
-            and last.arena_lo + (last.job_hi - last.job_lo) == at
-        ):
-            runs[-1] = Run(last.job_lo, chunk.offset + chunk.nbytes, last.arena_lo)
-        else:
-            runs.append(Run(chunk.offset, chunk.offset + chunk.nbytes, at))
+        if hi == chunk.offset and arena_lo + (hi - lo) == at:
+            hi = chunk.offset + chunk.nbytes  # back to back on both sides: one run
+            continue
+        if lo >= 0:
+            runs.append(Run(lo, hi, arena_lo))
+        lo, hi, arena_lo = chunk.offset, chunk.offset + chunk.nbytes, at
+    if lo >= 0:
+        runs.append(Run(lo, hi, arena_lo))
     return runs
 
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+# Job plans kept per layout (a few hundred bytes each); the cache starts over when full.
+_MAX_CACHED_PLANS = 4096
+
 
 @dataclass(frozen=True)
 class PageRef:
@@ -102,6 +105,7 @@ class ChunkLayout:
                 offset += page_bytes
             groups.append(GroupLayout(tuple(page_refs), offset, offset * blocks_per_chunk))
         self.groups: tuple[GroupLayout, ...] = tuple(groups)
+        self._plans: dict[tuple[tuple[int, ...], tuple[int, ...]], JobPlan] = {}
         # Copy in 8-byte words when every page, row and base allows it: torch's row
         # gathers move int64 rows ~7x faster than uint8 rows (measured, 16 MiB jobs).
         self._word = (
@@ -125,13 +129,24 @@ class ChunkLayout:
                 f"job names {len(group_sizes)} groups, the KV cache has {len(self.groups)}"
             )
         bpc = self.blocks_per_chunk
+        # A plan depends on the sizes and each group's first slot only: jobs of a serving
+        # engine repeat a few shapes, and building one costs ~2 us a chunk of Python.
+        shape = (tuple(map(int, group_sizes)), tuple(int(i) % bpc for i in block_indices))
+        cached = self._plans.get(shape)
+        if cached is None:
+            if len(self._plans) >= _MAX_CACHED_PLANS:
+                self._plans.clear()
+            cached = self._plans[shape] = self._build_plan(*shape)
+        return cached
+
+    def _build_plan(self, group_sizes: tuple[int, ...], skips: tuple[int, ...]) -> JobPlan:
+        bpc = self.blocks_per_chunk
         chunks: list[ChunkPlacement] = []
         spans: list[_GroupSpan] = []
         offset = ids_start = 0
-        for p, (n_blocks, first_index) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        for p, (n_blocks, skip) in enumerate(zip(group_sizes, skips, strict=True)):
             if n_blocks == 0:
                 continue
-            skip = int(first_index) % bpc
             n_chunks = -(-(n_blocks + skip) // bpc)
             spans.append(_GroupSpan(p, offset, n_chunks, skip, ids_start, n_blocks))
             chunk_bytes = self.groups[p].chunk_bytes

@@ -216,21 +216,45 @@ class ArenaJobs:
         return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
 
     # ---- loads -----------------------------------------------------------------------------
-    def load(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter) -> bool:
-        """Transfer thread: serve the load from the local arena; False if this path cannot
-        (the caller then loads through the object store)."""
+    def _local_arena(self, spec: LoadSpec, scatter: Scatter) -> WorkerArena | None:
+        """The arena, if it can serve this load: mapped, the copier scatters from it in
+        place, and every shard is on this node."""
         arena = self._ready()
         if arena is None or not scatter.in_place:
-            return False
+            return None
         if set(spec.keys_by_node(self._rank)) != {self._local_node}:
+            return None
+        return arena
+
+    def load_unpinned(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter) -> bool:
+        """Any thread, no round trip: serve the load from where the worker last saw its
+        shards (see :meth:`_read_unpinned`); False if it has no hint for one of them or
+        the check failed (a failed hint is dropped: the next try pins)."""
+        arena = self._local_arena(spec, scatter)
+        if arena is None or not UNPINNED_READS:
             return False
         keys = list(spec.keys)
-        hints = self._hints.extents(arena.epoch, spec.namespace, keys) if UNPINNED_READS else None
-        if hints is not None and self._read_unpinned(arena, plan, hints, scatter):
-            arena.loaded_unpinned(len(keys), plan.nbytes)
-            self.unpinned_loads += 1
-            self.arena_loads += 1
+        hints = self._hints.extents(arena.epoch, spec.namespace, keys)
+        if hints is None:
+            return False
+        if not self._read_unpinned(arena, plan, hints, scatter):
+            self._hints.forget(arena.epoch, spec.namespace, keys)
+            return False
+        arena.loaded_unpinned(len(keys), plan.nbytes)
+        self.unpinned_loads += 1
+        self.arena_loads += 1
+        return True
+
+    def load(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter, unpinned: bool = True) -> bool:
+        """Transfer thread: serve the load from the local arena, unpinned if it can
+        (``unpinned=False``: that was tried already), else pinned; False if this path
+        cannot (the caller then loads through the object store)."""
+        if unpinned and self.load_unpinned(spec, plan, scatter):
             return True
+        arena = self._local_arena(spec, scatter)
+        if arena is None:
+            return False
+        keys = list(spec.keys)
         try:
             pins = arena.pin(spec.namespace, self._rank, keys)
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...

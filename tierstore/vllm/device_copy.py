@@ -57,10 +57,15 @@ class Scatter:
         run: Callable[[np.ndarray], None],
         from_extents: FromExtents | None = None,
         from_pieces: Callable[[Sequence[tuple[int, np.ndarray]]], None] | None = None,
+        on_caller: bool = False,
     ) -> None:
         self._run = run
         self._from_extents = from_extents
         self._from_pieces = from_pieces
+        # The copies run on the calling thread, as plain memory work (the host
+        # executor), not as a device copy the caller waits for: a small one may run at
+        # submit, cheaper than a hand-off to a transfer thread.
+        self.on_caller = on_caller
 
     def __call__(self, data: np.ndarray) -> None:
         self._run(data)
@@ -209,6 +214,7 @@ class HostCopier(DeviceCopier):
             functools.partial(self._executor.scatter, copy_plan),
             functools.partial(scatter_from, self._executor, copy_plan),
             from_pieces=functools.partial(_scatter_pieces, self._executor, copy_plan),
+            on_caller=True,
         )
 
 

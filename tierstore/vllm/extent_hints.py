@@ -1,11 +1,10 @@
-"""Where a worker last saw each shard in its node's arena: lets a same-node load verify
-the extents while its pin call is in flight.
+"""Where a worker last saw each shard in its node's arena: lets a same-node load read
+the extents without pinning them first.
 
-A hint is only a guess (the shard may have been evicted since, or stored again
-elsewhere): the load still pins, and uses the early digests only when the pin names the
-same extents and their committed digests equal what was hashed. Bytes hashed before the
-pin that equal the digest the pin answers for the same extent are that shard's bytes
-(the checksum's own assumption), and once pinned they cannot change until the unpin.
+A hint is only a guess (the shard may have been evicted since, its extent freed and
+written again): the load trusts it only if the extent's generation is the hinted one
+before the copy and after it, and the digest matches
+(:mod:`tierstore.data.arena.generations`); otherwise it forgets the hint and pins.
 
 Threads: any; one lock.
 """
@@ -60,3 +59,9 @@ class ExtentHints:
         with self._lock:
             found = [self._extents.get((epoch, namespace, key)) for key in keys]
         return None if None in found else found  # type: ignore[return-value]
+
+    def forget(self, epoch: str, namespace: Namespace, keys: Sequence[ChunkKey]) -> None:
+        """The hints failed their check (the extents moved on): the next load pins."""
+        with self._lock:
+            for key in keys:
+                self._extents.pop((epoch, namespace, key), None)

@@ -15,7 +15,7 @@ transfer thread; one lock, held for microseconds.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 
 
@@ -23,7 +23,11 @@ class ExtentPool:
     def __init__(self, budget_bytes: int, epoch: str = "") -> None:
         self.budget_bytes = budget_bytes
         self.epoch = epoch  # the arena these offsets belong to
-        self._free: dict[int, list[int]] = {}  # size -> offsets
+        # size -> offsets, in grant order: a fresh arena grants ascending, back-to-back
+        # extents, and a job that takes them in that order copies its chunks as one run
+        # (:func:`tierstore.data.extent_copy.runs_of`): measured 7x cheaper than 34
+        # separate chunks of a 1 MiB job.
+        self._free: dict[int, deque[int]] = {}
         self._asked: Counter[int] = Counter()  # size -> extents asked for, not yet added
         self._target: Counter[int] = Counter()
         self._burst: Counter[int] = Counter()  # size -> extents wanted since the last add
@@ -48,7 +52,7 @@ class ExtentPool:
             if any(len(self._free.get(size, ())) < n for size, n in need.items()):
                 self.misses += 1
                 return None
-            return [self._free[size].pop() for size in sizes]
+            return [self._free[size].popleft() for size in sizes]
 
     def wanted(self) -> list[int]:
         """Sizes to ask the NodeStore for now (marked asked until :meth:`add`)."""
@@ -78,7 +82,7 @@ class ExtentPool:
                 return [o for o in offsets if o is not None]
             for size, offset in zip(sizes, offsets, strict=True):
                 if offset is not None:
-                    self._free.setdefault(size, []).append(offset)
+                    self._free.setdefault(size, deque()).append(offset)
             return []
 
     def reset(self, epoch: str) -> list[int]:
