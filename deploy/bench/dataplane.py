@@ -84,8 +84,10 @@ class PageJobs:
         self._wait({self._job})
 
     def _wait(self, jobs: set[int]) -> None:
-        while jobs:
+        while True:
             jobs -= {r.job_id for r in self._worker.get_finished()}
+            if not jobs:
+                return
             time.sleep(0.0001)
 
     def store(self, key: ChunkKey) -> None:

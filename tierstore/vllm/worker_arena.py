@@ -178,14 +178,18 @@ class WorkerArena:
         """Any thread, never waits: tell the NodeStore (for its load counts) from the
         refill thread; loads that end meanwhile go in the same one-way call."""
         with self._unreported_lock:
+            queued = self._unreported != [0, 0]  # a report is queued: these join it
             self._unreported[0] += shards
             self._unreported[1] += nbytes
+        if queued:
+            return
         try:
             self._refiller.submit(self._report_loaded, self.epoch)
         except RuntimeError:  # shut down: the counts are lost, nothing else
             pass
 
     def _report_loaded(self, epoch: str) -> None:
+        """Refill thread: one call for every load that ended since the last one."""
         with self._unreported_lock:
             (shards, nbytes), self._unreported = self._unreported, [0, 0]
         if shards:
