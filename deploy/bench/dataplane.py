@@ -5,10 +5,10 @@ and loaded back by a real worker on the node. A store gathers straight into exte
 the node's arena and is done (for vLLM: its blocks are free) once its bytes are there:
 ``store_vs_memcpy``. The worker's commit thread then hashes it and commits it, answered
 once the NodeStore adopted it and the Evictor indexed it: ``store_committed_vs_memcpy``
-times all of that. A load of shards the worker committed itself reads their extents
-without a round trip (generation, digest, scatter, generation again): ``load_vs_memcpy``;
-``load_pinned_vs_memcpy`` times a load that first pins the extents, as one by another
-engine on the node (or after the extent moved) does.
+times all of that. A same-node load finds its shards' extents in the arena's directory
+and reads them without a round trip (generation, digest, scatter, generation again):
+``load_vs_memcpy``; ``load_pinned_vs_memcpy`` times a load that first pins the extents,
+as one whose shards the arena's directory no longer names does.
 The baselines move the same bytes with ``numpy.copyto`` and with ``ray.put`` +
 ``ray.get`` of a numpy array. The "host_copy" section times the host copy executors
 alone (``hostcopy``), no Ray."""
@@ -120,9 +120,14 @@ class PageJobs:
         self._run(lambda job: self._worker.submit_load(job, spec, self._destination))
 
     def load_pinned(self, spec: LoadSpec) -> None:
-        """A load as by a worker that never saw these shards: it pins them first."""
-        self._worker.arena.forget_hints()
-        self.load(spec)
+        """A load that pins its extents first, as where the arena's directory lost them
+        (or off x86-64)."""
+        arena = self._worker.arena
+        unpinned, arena.read_unpinned = arena.read_unpinned, False
+        try:
+            self.load(spec)
+        finally:
+            arena.read_unpinned = unpinned
 
     def clear_loaded(self) -> None:
         self._kv[self._blocks + 1 :].zero_()

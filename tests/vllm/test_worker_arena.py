@@ -1,7 +1,7 @@
 """Stores and loads through the node's shared arena: real Ray, real NodeStore, real
 shared mapping. One copy each way: gathered into granted extents and adopted by the
-NodeStore; loaded straight from the extents (unpinned where the worker knows their
-generation, else pinned)."""
+NodeStore; loaded straight from the extents (unpinned where the arena's directory names
+them, else pinned)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaMapping
-from tierstore.keys import NodeId
+from tierstore.keys import NodeId, ShardId
 from tierstore.vllm.transfer_specs import StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
 
@@ -117,6 +117,30 @@ def test_a_load_of_shards_this_worker_committed_reads_them_unpinned_and_counts_t
     worker.shutdown()
 
 
+def test_another_engine_on_the_node_loads_the_shards_unpinned_from_the_arena_directory(
+    cfg: TierStoreConfig,
+) -> None:
+    """A worker that never saw the shards (another engine, or this one restarted) finds
+    their extents in the arena's directory: its load pins nothing, makes no round trip,
+    and is byte-exact."""
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    writer = _worker(cfg, kv)
+    keys = _stored_and_pool_ready(writer)
+    other_kv = [torch.zeros_like(t) for t in kv]
+    other = _worker(cfg, other_kv)
+    other.arena._ready()  # maps the arena in the background, as its first job would
+    assert poll(lambda: other.arena._arena, 20) is not None
+    other.submit_load(3, _load_spec(cfg, keys), DST)
+    assert [r.job_id for r in other.get_finished() if r.success] == [3]  # done at submit
+    assert (other.arena.arena_loads, other.arena.unpinned_loads) == (1, 1)
+    for s, d in zip([1, 2, 3, 4], [20, 21, 22, 23], strict=True):
+        assert torch.equal(other_kv[0][d, :96], original[0][s, :96])
+    assert torch.equal(other_kv[1][24, :200], original[1][5, :200])
+    other.shutdown()
+    writer.shutdown()
+
+
 def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_pinned(
     cfg: TierStoreConfig,
 ) -> None:
@@ -129,8 +153,8 @@ def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_p
     worker = _worker(cfg, kv)
     keys = _stored_and_pool_ready(worker)
     arena = worker.arena._arena
-    hints = worker.arena._hints.extents(arena.epoch, NS, keys)
-    assert hints is not None, "the worker has no hint for the shards it committed"
+    hints = arena.directory.find([ShardId(NS, k, 0) for k in keys])
+    assert hints is not None, "the arena's directory does not name the shards committed"
     table = Generations(ArenaMapping(arena.info).array)  # another mapping of the file
     mapping = ArenaMapping(arena.info).array
     first = hints[0]
@@ -160,7 +184,8 @@ def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_p
     assert _drain(worker, 1) == [3]
     assert tampered and _loaded_exact(kv, original)
     assert (worker.arena.arena_loads, worker.arena.unpinned_loads) == (1, 0)
-    # The pin refreshed the hints (the bumped generation): the next load is unpinned.
+    # The pin wrote the directory entry again (the bumped generation): the next load
+    # is unpinned.
     worker._copier.prepare_scatter = prepare
     for t in kv:
         t[20:25].zero_()

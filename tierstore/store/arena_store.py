@@ -41,7 +41,7 @@ class ArenaStore:
 
     def info(self) -> tuple[RegionInfo, int]:
         """The arena, and its room beyond the CPU tier's capacity (for workers' pools)."""
-        return self.tier.info, self.tier.generations.extents_bytes - self.tier.capacity_bytes
+        return self.tier.info, self.tier.extents_bytes - self.tier.capacity_bytes
 
     def grant(self, holder: str, epoch: str, sizes: list[int]) -> tuple[str, list[int | None]]:
         """Extents for ``holder`` (None where the arena is full), and the current epoch."""

@@ -6,11 +6,11 @@ there: its blocks may be reused. The commit thread then hashes the extents (off 
 model-runner thread, beside the next forward) and sends (key, extent, digest) to the
 NodeStore, batched with others (:mod:`tierstore.vllm.commit_queue`), answered later;
 the NodeStore adopts the extents as they are, no copy, no second hash. A same-node load
-of shards whose extents the worker knows (it committed them, or pinned them before:
-:mod:`tierstore.vllm.extent_hints`) reads them with no round trip: generation, digest,
-copy, generation again (:mod:`tierstore.data.arena.generations`); otherwise, or if
-that check fails, it pins the extents, verifies each digest in the mapping, scatters
-straight from it, then unpins (one-way, from another thread).
+(of shards any worker of the node stored) finds their extents in the arena's directory
+(:mod:`tierstore.data.arena.directory`) and reads them with no round trip: generation,
+digest, copy, generation again (:mod:`tierstore.data.arena.generations`); if one is
+not there, or that check fails, it pins the extents, verifies each digest in the
+mapping, scatters straight from it, then unpins (one-way, from another thread).
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -30,15 +30,15 @@ from typing import NamedTuple
 import numpy as np
 from vllm.v1.kv_offload.base import TransferResult
 
+from tierstore.data.arena.directory import Located
 from tierstore.data.arena.generations import UNPINNED_READS
 from tierstore.data.checksum import digest
 from tierstore.data.extent_copy import runs_of
 from tierstore.data.layout import JobPlan
 from tierstore.data.tiers.base import ShardMeta
-from tierstore.keys import NodeId
+from tierstore.keys import NodeId, ShardId
 from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
-from tierstore.vllm.extent_hints import ExtentHint, ExtentHints
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
 
@@ -92,8 +92,10 @@ class ArenaJobs:
         self.pool_misses = 0  # store jobs that found no granted extents (object store)
         self.arena_loads = 0
         self.arena_rejected = 0  # same-node loads whose extents did not fit or verify
-        self._hints = ExtentHints()  # where shards were last seen, for unpinned loads
-        self.unpinned_loads = 0  # same-node loads served from hints, no pin
+        # Same-node loads read extents the arena's directory names without pinning them
+        # (x86-64); False: every one pins first (benchmarks compare the two).
+        self.read_unpinned = UNPINNED_READS
+        self.unpinned_loads = 0  # same-node loads served with no pin
 
     # ---- set-up ----------------------------------------------------------------------------
     def _ready(self, sizes: list[int] | None = None) -> WorkerArena | None:
@@ -177,8 +179,6 @@ class ArenaJobs:
             arena = group[0].filled.arena
             entries = [entry for c in group for entry in self._entries(c)]
             namespace = group[0].spec.namespace
-            # Still granted to this worker, so not freed: the generations they hold at.
-            generations = arena.generations.read([e.offset for e in entries])
             try:
                 kept = arena.commit(namespace, self._rank, self._world_size, entries)
             except Exception as exc:
@@ -186,12 +186,6 @@ class ArenaJobs:
                 continue
             if kept is None:
                 stale += group
-            else:  # hints for later loads (a shard not kept was freed: its hint fails)
-                hints = [
-                    ExtentHint(e.offset, ShardMeta(e.nbytes, e.digest, e.slot_mask), g)
-                    for e, g in zip(entries, generations, strict=True)
-                ]
-                self._hints.remember(arena.epoch, namespace, [e.key for e in entries], hints)
         return stale, failed
 
     @staticmethod
@@ -227,18 +221,15 @@ class ArenaJobs:
         return arena
 
     def load_unpinned(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter) -> bool:
-        """Any thread, no round trip: serve the load from where the worker last saw its
-        shards (see :meth:`_read_unpinned`); False if it has no hint for one of them or
-        the check failed (a failed hint is dropped: the next try pins)."""
+        """Any thread, no round trip: serve the load from where the arena's directory says
+        its shards are (see :meth:`_read_unpinned`); False if one is not there or the
+        check failed (the caller pins)."""
         arena = self._local_arena(spec, scatter)
-        if arena is None or not UNPINNED_READS:
+        if arena is None or not self.read_unpinned:
             return False
         keys = list(spec.keys)
-        hints = self._hints.extents(arena.epoch, spec.namespace, keys)
-        if hints is None:
-            return False
-        if not self._read_unpinned(arena, plan, hints, scatter):
-            self._hints.forget(arena.epoch, spec.namespace, keys)
+        found = arena.directory.find([ShardId(spec.namespace, k, self._rank) for k in keys])
+        if found is None or not self._read_unpinned(arena, plan, found, scatter):
             return False
         arena.loaded_unpinned(len(keys), plan.nbytes)
         self.unpinned_loads += 1
@@ -254,60 +245,52 @@ class ArenaJobs:
         arena = self._local_arena(spec, scatter)
         if arena is None:
             return False
-        keys = list(spec.keys)
         try:
-            pins = arena.pin(spec.namespace, self._rank, keys)
+            pins = arena.pin(spec.namespace, self._rank, list(spec.keys))
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...
             logger.debug("arena pin failed (%s); loading through the object store", exc)
             return False
-        offsets = [at for at, _ in pins]
         try:
-            generations = arena.generations.read(offsets)  # pinned: not freed meanwhile
-            hints = [ExtentHint(at, m, g) for (at, m), g in zip(pins, generations, strict=True)]
-            self._hints.remember(arena.epoch, spec.namespace, keys, hints)
-            if not self._verified_scatter(arena.array, plan, hints, scatter):
+            if not self._verified_scatter(arena.array, plan, pins, scatter):
                 self.arena_rejected += 1
                 return False  # the NodeStore's load checks again, and reports it
         finally:
-            arena.unpin(offsets)
+            arena.unpin([at for at, _ in pins])
         self.arena_loads += 1
         return True
 
     @classmethod
     def _read_unpinned(
-        cls, arena: WorkerArena, plan: JobPlan, hints: list[ExtentHint], scatter: Scatter
+        cls, arena: WorkerArena, plan: JobPlan, found: list[Located], scatter: Scatter
     ) -> bool:
-        """Scatter the shards straight from where ``hints`` say they are, without a pin:
-        True only if each extent's generation was the hinted one before the hash and
-        still is after the copy, and its digest matched (see
+        """Scatter the shards straight from where the directory ``found`` them, without a
+        pin: True only if each extent's generation was the recorded one before the hash
+        and still is after the copy, and its digest matched (see
         :mod:`tierstore.data.arena.generations`). On False the caller pins and scatters
         again (the blocks may hold bytes of this try; nothing reported them done)."""
-        offsets = [h.offset for h in hints]
-        generations = [h.generation for h in hints]
+        offsets = [at for at, _, _ in found]
+        generations = [g for _, _, g in found]
         if arena.generations.read(offsets) != generations:
             return False
-        if not cls._verified_scatter(arena.array, plan, hints, scatter):
+        shards = [(at, meta) for at, meta, _ in found]
+        if not cls._verified_scatter(arena.array, plan, shards, scatter):
             return False
         return arena.generations.read(offsets) == generations
 
     @staticmethod
     def _verified_scatter(
-        view: np.ndarray, plan: JobPlan, shards: list[ExtentHint], scatter: Scatter
+        view: np.ndarray, plan: JobPlan, shards: list[tuple[int, ShardMeta]], scatter: Scatter
     ) -> bool:
-        """Verify the shards' extents (size, slots, digest), then copy them into the
-        load's blocks; False (and nothing copied) if one does not fit the plan or fails
-        its digest."""
-        for chunk, (_, meta, _) in zip(plan.chunks, shards, strict=True):
+        """Verify the shards' extents ``(offset, meta)`` (size, slots, digest), then copy
+        them into the load's blocks; False (and nothing copied) if one does not fit the
+        plan or fails its digest."""
+        for chunk, (_, meta) in zip(plan.chunks, shards, strict=True):
             if meta.nbytes != chunk.nbytes or chunk.slot_mask & ~meta.slot_mask:
                 return False
-        if any(digest(view[at : at + m.nbytes]) != m.digest for at, m, _ in shards):
+        if any(digest(view[at : at + m.nbytes]) != m.digest for at, m in shards):
             return False
-        scatter.from_extents(view, runs_of(plan.chunks, [at for at, _, _ in shards]))
+        scatter.from_extents(view, runs_of(plan.chunks, [at for at, _ in shards]))
         return True
-
-    def forget_hints(self) -> None:
-        """Loads pin again, as another engine's would (benchmarks)."""
-        self._hints = ExtentHints()
 
     def close(self) -> None:
         arena, self._arena = self._arena, None

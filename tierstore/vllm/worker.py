@@ -299,10 +299,9 @@ class TierStoreWorker(OffloadingWorker):
         return True
 
     def _loaded_inline(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter) -> bool:
-        """Model-runner thread: a small same-node load of shards this worker knows where
-        to find, copied by the host executor, runs here: no round trip, and cheaper than
-        a hand-off to a transfer thread (~0.3-0.6 ms measured). True once its bytes are
-        in place; False (nothing reported) sends it to a transfer thread."""
+        """Model-runner thread: a small unpinned same-node load on the host executor
+        (:data:`INLINE_LOAD_MAX_BYTES`). True once its bytes are in place; False
+        (nothing reported) sends it to a transfer thread."""
         if not scatter.on_caller or plan.nbytes > INLINE_LOAD_MAX_BYTES:
             return False
         try:

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tierstore.data.arena.directory import ShardDirectory
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.pool import ExtentPool
@@ -82,6 +83,7 @@ class WorkerArena:
         self.info = info
         self.mapping = ArenaMapping(info)
         self.generations = Generations(self.mapping.array)
+        self.directory = ShardDirectory(self.mapping.array[: self.generations.extents_bytes])
         self._unreported = [0, 0]  # shards, bytes read unpinned, not yet told the NodeStore
         self._unreported_lock = threading.Lock()
         self._lock_file = HolderLock(info.path)
@@ -249,7 +251,9 @@ class WorkerArena:
         self._refiller.shutdown(wait=True)
         self.give_back(self.pool.drain())
         self._lock_file.close()
-        # The table is a view of the mapping: after it, every hint's check fails (a
-        # generation no extent reaches), so no load reads the unmapped arena.
+        # The tables are views of the mapping: after it, no shard is found and every
+        # generation check fails (one no extent reaches), so no load reads the unmapped
+        # arena.
+        self.directory = ShardDirectory(np.zeros(64, dtype=np.uint8))
         self.generations = Generations(np.full(8, 255, dtype=np.uint8))
         self.mapping.close()

@@ -30,6 +30,7 @@ import numpy as np
 from typing_extensions import override
 
 from tierstore.data.arena.allocator import DEFAULT_ALIGN, ExtentAllocator
+from tierstore.data.arena.directory import ShardDirectory
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import Holdings
 from tierstore.data.arena.region import ArenaRegion, RegionInfo
@@ -49,11 +50,12 @@ class ArenaTier(Tier):
     ) -> None:
         super().__init__(capacity_bytes)
         self.region = region
-        # Bumped as each extent is freed: same-node loads read committed extents unpinned.
+        # Bumped as each extent is freed, and where each shard is: same-node loads, of
+        # any worker on the node, read committed extents unpinned.
         self.generations = Generations(region.array)
-        self.allocator = ExtentAllocator(
-            self.generations.extents_bytes, align, on_free=self.generations.bump
-        )
+        self.directory = ShardDirectory(region.array[: self.generations.extents_bytes])
+        self.extents_bytes = self.directory.extents_bytes  # the arena before its tables
+        self.allocator = ExtentAllocator(self.extents_bytes, align, on_free=self.generations.bump)
         self.holdings = Holdings(region.info.path)
         # -> (offset, meta, extent bytes): an adopted extent may be bigger than its shard
         self._shards: dict[ShardId, tuple[int, ShardMeta, int]] = {}
@@ -161,7 +163,13 @@ class ArenaTier(Tier):
                 self._used_bytes -= meta.nbytes
                 self.allocator.free(offset, meta.nbytes)
                 return
-            self._shards[shard_id] = (offset, meta, meta.nbytes)
+            self._hold(shard_id, offset, meta, meta.nbytes)
+
+    def _hold(self, shard_id: ShardId, offset: int, meta: ShardMeta, extent: int) -> None:
+        """Lock held: the shard is in the extent at ``offset`` (``extent`` bytes), and the
+        directory says so to the node's workers."""
+        self._shards[shard_id] = (offset, meta, extent)
+        self.directory.record(shard_id, offset, meta, *self.generations.read([offset]))
 
     def _allocate(self, nbytes: int) -> int:
         offset = self.allocator.allocate(nbytes)
@@ -204,7 +212,7 @@ class ArenaTier(Tier):
                 held = shard_id in self._shards
                 self.allocator.free(offset, granted)
                 return held
-            self._shards[shard_id] = (offset, meta, granted)
+            self._hold(shard_id, offset, meta, granted)
             self._used_bytes += meta.nbytes
             return True
 
@@ -230,8 +238,10 @@ class ArenaTier(Tier):
             if missing:
                 raise ChunkNotFoundError(f"shard not in CPU tier: {missing[0]!r}")
             found = [self._shards[s][:2] for s in shard_ids]
-            for offset, _ in found:
+            for shard_id, (offset, meta) in zip(shard_ids, found, strict=True):
                 self.holdings.pin(holder, offset)
+                # Again: another shard may have taken its directory slot since.
+                self.directory.record(shard_id, offset, meta, *self.generations.read([offset]))
         return found
 
     def unpin(self, holder: str, offsets: list[int]) -> None:

@@ -1,0 +1,103 @@
+"""Where each shard of a node's arena lives, kept in the arena itself: lets any worker of
+the node load a shard without asking its NodeStore first (no pin, no round trip).
+
+The NodeStore writes an entry as it comes to hold a shard in an extent (a worker's
+commit adopted, a disk promotion, a copy from another node; a pin writes it again), under
+its tier's lock: ``(shard hash, offset, bytes, digest, slots, generation)``. A worker
+looking for a shard reads the entry; it is only a hint, used as a seqlock read of the
+extent (:mod:`tierstore.data.arena.generations`): the extent's generation must be the
+entry's before the hash and after the copy, and the bytes must match the digest. Any
+other outcome and the load pins, as before.
+
+Direct-mapped by a 128-bit hash of ``(namespace, key, rank)``: a shard whose slot another
+shard took since is not found (it pins; the pin writes its entry back). Entries are
+never deleted: a freed extent's generation moved on, so a stale entry fails its check.
+
+Each entry is one cache line of uint64 words, ``[seq, hash_hi, hash_lo, offset, nbytes,
+digest, slot_mask, generation]``. The writer makes ``seq`` odd, writes the fields, makes
+it even; a reader reads ``seq``, the fields, ``seq`` again and trusts the fields only if
+both reads are the same even value (x86-64 keeps stores, and loads, in program order;
+elsewhere :data:`~tierstore.data.arena.generations.UNPINNED_READS` is False and nothing
+reads it).
+
+Pure numpy: the NodeStore and the workers each wrap their own mapping of the region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import xxhash
+
+from tierstore.data.tiers.base import ShardMeta
+from tierstore.keys import ShardId
+
+MAX_DIRECTORY_BYTES = 1 << 22  # 65536 entries: 4 MiB of a real arena (>= 256 MiB)
+_WORDS = 8  # uint64 words per entry: one cache line
+_SEQ, _HASH_HI, _HASH_LO, _OFFSET, _NBYTES, _DIGEST, _SLOTS, _GENERATION = range(_WORDS)
+_MAX_SLOT_MASK = (1 << 64) - 1
+
+
+def directory_bytes(region_bytes: int) -> int:
+    """Bytes of a region of ``region_bytes`` that hold the directory: a power of two
+    entries, at most :data:`MAX_DIRECTORY_BYTES` and 1/64 of the region."""
+    entries = max(min(MAX_DIRECTORY_BYTES, region_bytes // 64) // (_WORDS * 8), 1)
+    return (1 << (entries.bit_length() - 1)) * _WORDS * 8
+
+
+class Located(NamedTuple):
+    """Where a shard was held: its extent, its metadata then, the extent's generation."""
+
+    offset: int
+    meta: ShardMeta
+    generation: int
+
+
+def _hash(shard_id: ShardId) -> tuple[int, int]:
+    namespace, key, rank = shard_id
+    h = xxhash.xxh3_128_intdigest(b"%s\0%d\0%s" % (namespace.encode(), rank, bytes(key)))
+    return h >> 64, h & _MAX_SLOT_MASK
+
+
+class ShardDirectory:
+    """The directory at the end of ``region`` (a uint8 array: the part of the mapping
+    before the generations table)."""
+
+    def __init__(self, region: np.ndarray) -> None:
+        self.nbytes = directory_bytes(len(region))
+        self.extents_bytes = len(region) - self.nbytes  # the region before the directory
+        start = self.extents_bytes
+        self._entries = region[start : start + self.nbytes].view(np.uint64).reshape(-1, _WORDS)
+        self._mask = len(self._entries) - 1
+
+    def record(self, shard_id: ShardId, offset: int, meta: ShardMeta, generation: int) -> None:
+        """NodeStore, under its tier's lock (one writer at a time): ``shard_id`` is held
+        at ``offset``, whose generation is ``generation`` while it holds it."""
+        if meta.slot_mask > _MAX_SLOT_MASK:
+            return  # more than 64 slots a chunk: its loads pin
+        hi, lo = _hash(shard_id)
+        entry = self._entries[lo & self._mask]
+        entry[_SEQ] += np.uint64(1)  # odd: being written
+        fields = (hi, lo, offset, meta.nbytes, meta.digest, meta.slot_mask, generation)
+        entry[_HASH_HI:] = np.array(fields, dtype=np.uint64)
+        entry[_SEQ] += np.uint64(1)  # even: whole again
+
+    def find(self, shard_ids: Sequence[ShardId]) -> list[Located] | None:
+        """Any process mapping the arena: where each shard was last recorded, or None if
+        one of them has no whole entry of its own."""
+        hashes = [_hash(s) for s in shard_ids]
+        slots = np.fromiter((lo & self._mask for _, lo in hashes), np.int64, len(hashes))
+        before = self._entries[slots, _SEQ]  # seq first, then the fields, then seq again
+        fields = self._entries[slots]
+        after = self._entries[slots, _SEQ]
+        if np.any(before != after) or np.any(before & np.uint64(1)):
+            return None
+        found = []
+        for (hi, lo), row in zip(hashes, fields.tolist(), strict=True):
+            if row[_HASH_HI] != hi or row[_HASH_LO] != lo:
+                return None
+            meta = ShardMeta(row[_NBYTES], row[_DIGEST], row[_SLOTS])
+            found.append(Located(row[_OFFSET], meta, row[_GENERATION]))
+        return found
