@@ -1,5 +1,6 @@
 """The NodeStore's arena behind the real actor: a killed worker's grants come back, and a
-restarted NodeStore has a new, empty arena (misses, never stale bytes)."""
+restarted NodeStore has a new, empty arena (misses, never stale bytes) that every worker
+of the node maps, even one that only loads."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def test_a_restarted_node_store_has_an_empty_arena_and_workers_remap(
     cfg: TierStoreConfig,
 ) -> None:
     worker = _worker(cfg, _kv())
+    reader = _worker(cfg, _kv())  # another engine of the node, one that only loads
+    reader.arena._ready()
+    assert poll(lambda: reader.arena._arena, 20) is not None
     src = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])
     for job in (1, 2, 3):  # the first maps the arena; then stores go through it
         keys = _keys(2, 0, start=10 * job)
@@ -73,21 +77,29 @@ def test_a_restarted_node_store_has_an_empty_arena_and_workers_remap(
     assert _lookup(cfg, keys) == [LookupState.MISS] * 2
     region, _ = _node_store(cfg).arena_info().result()
     assert region.epoch != old_epoch
-    # The worker notices the new arena, maps it and stores through it again.
-    for job in range(4, 12):
-        keys = _keys(2, 0, start=10 * job)
-        worker.submit_store(job, src, StoreSpec(NS, tuple(keys)))
+    # The worker notices the new arena, maps it and stores through it again (jobs keep
+    # coming, as from a serving engine).
+    jobs = iter(range(4, 400))
+
+    def stored_into_the_new_arena() -> bool:
+        job = next(jobs)
+        worker.submit_store(job, src, StoreSpec(NS, tuple(_keys(2, 0, start=10 * job))))
         assert _drain(worker, 1) == [job]
-        if worker.arena._arena is not None and worker.arena._arena.epoch == region.epoch:
-            break
-    assert poll(lambda: worker.arena._arena is not None and worker.arena._arena.epoch, 10) == (
-        region.epoch
-    )
+        return getattr(worker.arena._arena, "epoch", None) == region.epoch
+
+    assert poll(stored_into_the_new_arena, 20, poll_s=0.05)
     stores = worker.arena.arena_stores
     keys = _keys(2, 0, start=500)
     poll(lambda: worker.arena._arena.pool.held_bytes > 0, 10)
     worker.submit_store(99, src, StoreSpec(NS, tuple(keys)))
     assert _drain(worker, 1) == [99]
     assert worker.arena.arena_stores == stores + 1
-    _load_spec(cfg, keys)  # HITs in the new arena
+    spec = _load_spec(cfg, keys)  # HITs in the new arena
+    # The reader's loads call nobody (the directory), so it looks at the arena's file:
+    # replaced, it maps the new arena and loads from it, unpinned.
+    assert poll(lambda: getattr(reader.arena._ready(), "epoch", None) == region.epoch, 10)
+    reader.submit_load(100, spec, GPULoadStoreSpec([20, 21, 22, 23], [4, 0], [0, 0]))
+    assert _drain(reader, 1) == [100]
+    assert reader.arena.unpinned_loads == 1
+    reader.shutdown()
     worker.shutdown()

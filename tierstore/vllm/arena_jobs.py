@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
 
 logger = logging.getLogger(__name__)
+
+_RETRY_MAP_S = 1.0  # after the NodeStore did not answer an arena_info call
 
 
 class Filled(NamedTuple):
@@ -86,7 +89,8 @@ class ArenaJobs:
         self._connect = connect
         self._arena: WorkerArena | None = None
         self._connecting = threading.Lock()
-        self._tried = False
+        self._tried = False  # the node has no arena usable from here: never ask again
+        self._retry_at = 0.0  # after a failed try, when to try again
         self._first_sizes: list[int] = []  # of the job that asked for the arena first
         self.arena_stores = 0  # store jobs gathered into the arena
         self.pool_misses = 0  # store jobs that found no granted extents (object store)
@@ -102,11 +106,11 @@ class ArenaJobs:
         """Any thread: the arena if mapped; else start mapping it (once, in the
         background), its pool filled for jobs of ``sizes``."""
         arena = self._arena
-        if arena is not None and arena.stale:
+        if arena is not None and arena.check_replaced():
             self._drop(arena)
             arena = None
         if arena is None and not self._tried and self._copier.in_place:
-            if self._connecting.acquire(blocking=False):
+            if time.monotonic() >= self._retry_at and self._connecting.acquire(blocking=False):
                 self._first_sizes = sizes or []
                 threading.Thread(target=self._map, name="tierstore-arena", daemon=True).start()
         return arena
@@ -121,8 +125,9 @@ class ArenaJobs:
             if arena is not None and self._first_sizes:
                 arena.expect(self._first_sizes)
             self._arena = arena
-        except Exception:
+        except Exception:  # the NodeStore did not answer (restarting?): try again later
             logger.warning("mapping the node's arena failed", exc_info=True)
+            self._retry_at = time.monotonic() + _RETRY_MAP_S
         finally:
             self._connecting.release()
 

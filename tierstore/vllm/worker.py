@@ -6,12 +6,10 @@ Runtime rules (vLLM's model-runner thread calls every method):
   ends; putting the bytes and the NodeStore's acknowledgement happen on other threads.
 - a store is gathered straight into extents of the node's shared arena when the
   worker's pool of granted extents has them, and a same-node load scatters straight
-  from its extents, unpinned where the worker knows them (a small one then right at
-  submit, on the host executor), else pinned (:mod:`tierstore.vllm.arena_jobs`; on
-  CUDA the arena is first registered for DMA, ``cudaHostRegister``); otherwise (no
-  arena, an empty pool, another node, an arena CUDA would not register) bytes go
-  through the object store
-  (:mod:`tierstore.vllm.object_loads`: one copy in, read in place, scattered per shard).
+  from its extents, unpinned where the arena's directory names them (a small one right
+  at submit, on the host executor), else pinned (:mod:`tierstore.vllm.arena_jobs`);
+  otherwise (no arena, an empty pool, another node, an arena CUDA would not register)
+  through the object store (:mod:`tierstore.vllm.object_loads`).
 - every store goes through one *store stream* thread, in submission order (so the
   Evictor's LRU/ARC ranks this worker's chunks by when they were stored, whichever
   path each took). A store gathered into arena extents is reported finished once its
@@ -20,9 +18,8 @@ Runtime rules (vLLM's model-runner thread calls every method):
   the stream, is answered (:meth:`TierStoreWorker.wait_committed`); the scheduler's
   manager asks again for a key it saw stored until the Evictor indexes it. An
   object-store store is reported finished once the NodeStore holds it (its job buffer
-  is reused after). A load only
-  once its bytes were verified (length, slot coverage, xxh3) and are in the
-  destination blocks.
+  is reused after). A load only once its bytes were verified (length, slot coverage,
+  xxh3) and are in the destination blocks.
 - a load whose holder fails (its NodeStore died, its node is lost) is retried once from
   another copy the Evictor knows of (a hot chunk's copy, or the holder that adopted it).
 - a load that still fails (no other copy; a checksum mismatch) is reported as
@@ -118,14 +115,17 @@ class TierStoreWorker(OffloadingWorker):
         self._stores = BatchQueue(self._send_stores, "tierstore-stores")
         self._uncommitted: set[Commit] = set()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
-        self.arena = ArenaJobs(
-            self._copier,
-            ports.local_node,
-            (rank, world_size),
-            lambda: WorkerArena.connect(
-                lambda: ports.node_store(ports.local_node), transfer_timeout_s
-            ),
-        )
+        self.arena = ArenaJobs(self._copier, ports.local_node, (rank, world_size), self._map_arena)
+
+    def _map_arena(self) -> WorkerArena | None:
+        """Arena set-up thread: map the node's arena; a NodeStore that did not answer is
+        looked up again next time (it may have been restarted)."""
+        local = self._ports.local_node
+        try:
+            return WorkerArena.connect(lambda: self._ports.node_store(local), self._timeout_s)
+        except Exception:
+            self._ports.forget_node_store(local)
+            raise
 
     # ---- stores ----------------------------------------------------------------------------
     @override

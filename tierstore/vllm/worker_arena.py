@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # A worker's pool holds at most 1/_POOL_SHARE of the arena's room for grants.
 _POOL_SHARE = 2
+# How often a worker looks whether its arena's file was replaced (a NodeStore restart).
+_FILE_CHECK_S = 1.0
 
 
 class ArenaCalls(Protocol):
@@ -94,15 +97,17 @@ class WorkerArena:
         )
         self._refilling = threading.Lock()  # held while a refill is queued or running
         self.stale = False  # the NodeStore has a new arena: this mapping is of the old one
+        self._next_file_check = time.monotonic() + _FILE_CHECK_S
 
     @classmethod
     def connect(cls, calls: Callable[[], ArenaCalls], timeout_s: float) -> WorkerArena | None:
         """The node's arena, mapped; None if the NodeStore has none or it cannot be
-        mapped from here (another container's /dev/shm): then the object store it is."""
+        mapped from here (another container's /dev/shm): then the object store it is.
+        Raises if the NodeStore did not answer (it may be restarting: ask again later)."""
+        info, grant_room = calls().arena_info().result(timeout_s)
+        if info is None:
+            return None
         try:
-            info, grant_room = calls().arena_info().result(timeout_s)
-            if info is None:
-                return None
             return cls(calls, info, grant_room, timeout_s)
         except Exception:
             logger.warning("the node's arena cannot be used; using the object store", exc_info=True)
@@ -111,6 +116,16 @@ class WorkerArena:
     @property
     def epoch(self) -> str:
         return self.pool.epoch
+
+    def check_replaced(self) -> bool:
+        """Any thread, a ``stat`` at most once a second: whether this arena was replaced
+        (a NodeStore restart) or removed, so the worker maps the new one. Loads that
+        find their shards in the directory make no call that would tell it otherwise."""
+        now = time.monotonic()
+        if not self.stale and now >= self._next_file_check:
+            self._next_file_check = now + _FILE_CHECK_S
+            self.stale = self.mapping.replaced()
+        return self.stale
 
     # ---- stores ----------------------------------------------------------------------------
     def expect(self, sizes: list[int]) -> None:

@@ -195,7 +195,9 @@ class ArenaMapping(_Mapping):
         except OSError as exc:
             raise ArenaError(f"cannot open the arena {info.path}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self._file = (st.st_dev, st.st_ino)
+            size = st.st_size
             if size != info.nbytes:
                 raise ArenaError(f"arena {info.path} has {size} bytes, expected {info.nbytes}")
             # Page tables filled now (on the worker's set-up thread), not by faults in
@@ -203,3 +205,12 @@ class ArenaMapping(_Mapping):
             super().__init__(fd, info.nbytes, populate=True)
         finally:
             os.close(fd)
+
+    def replaced(self) -> bool:
+        """Whether the arena's path names another file now, or none (its NodeStore
+        restarted, or stopped): this mapping is of an arena nobody serves any more."""
+        try:
+            st = os.stat(self.info.path)
+        except FileNotFoundError:
+            return True
+        return (st.st_dev, st.st_ino) != self._file
