@@ -4,11 +4,7 @@ and pins; an entry another shard took, or one half written, is never trusted."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import numpy as np
-import pytest
 
 from tierstore.data.arena.directory import (
     MAX_DIRECTORY_BYTES,
@@ -18,7 +14,7 @@ from tierstore.data.arena.directory import (
 )
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
-from tierstore.data.arena.region import ArenaMapping, ArenaRegion
+from tierstore.data.arena.region import ArenaMapping
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.base import ShardMeta
@@ -26,14 +22,6 @@ from tierstore.keys import ChunkKey, Namespace, ShardId
 
 NS = Namespace("d1d1d1d1")
 KiB = 1 << 10
-
-
-@pytest.fixture
-def tier() -> Iterator[ArenaTier]:
-    region = ArenaRegion.create("ns-dir", uuid.uuid4().hex, 256 * KiB)
-    tier = ArenaTier(region, capacity_bytes=128 * KiB)
-    yield tier
-    region.close()
 
 
 def _shard(i: int, rank: int = 0) -> ShardId:
@@ -59,7 +47,8 @@ def test_the_directory_sits_between_the_extents_and_the_generations() -> None:
     assert region[: directory.extents_bytes].sum() == 0  # no extent byte touched
 
 
-def test_a_worker_finds_what_the_tier_adopted_or_filled(tier: ArenaTier) -> None:
+def test_a_worker_finds_what_the_tier_adopted_or_filled(arena_tier: ArenaTier) -> None:
+    tier = arena_tier
     holder = HolderLock(tier.region.info.path)
     directory, generations = _worker_view(tier)
     (offset,) = tier.grant(holder.holder, [3000])
@@ -82,7 +71,8 @@ def test_a_worker_finds_what_the_tier_adopted_or_filled(tier: ArenaTier) -> None
     holder.close()
 
 
-def test_a_shard_whose_entry_another_took_is_found_again_once_pinned(tier: ArenaTier) -> None:
+def test_a_shard_whose_entry_another_took_is_found_again_once_pinned(arena_tier: ArenaTier) -> None:
+    tier = arena_tier
     """Direct-mapped: with more shards than entries some are not found (their loads pin);
     the pin writes the entry back, so the next load finds it."""
     holder = HolderLock(tier.region.info.path)
@@ -98,7 +88,8 @@ def test_a_shard_whose_entry_another_took_is_found_again_once_pinned(tier: Arena
     holder.close()
 
 
-def test_an_entry_being_written_is_not_trusted(tier: ArenaTier) -> None:
+def test_an_entry_being_written_is_not_trusted(arena_tier: ArenaTier) -> None:
+    tier = arena_tier
     """Its sequence word is odd (the NodeStore is writing it, or died doing so)."""
     directory, _ = _worker_view(tier)
     tier.fill(_shard(3), ShardMeta(128, digest(np.zeros(128, np.uint8)), 1), lambda o: o.fill(0))

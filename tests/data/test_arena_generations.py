@@ -4,15 +4,11 @@ load relies on (tests/vllm/test_worker_arena.py drives the load itself)."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
-
 import numpy as np
-import pytest
 
 from tierstore.data.arena.generations import MAX_TABLE_BYTES, Generations, table_bytes
 from tierstore.data.arena.holders import HolderLock
-from tierstore.data.arena.region import ArenaMapping, ArenaRegion
+from tierstore.data.arena.region import ArenaMapping
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.base import ShardMeta
@@ -20,14 +16,6 @@ from tierstore.keys import ChunkKey, Namespace, ShardId
 
 NS = Namespace("9e9e9e9e")
 KiB = 1 << 10
-
-
-@pytest.fixture
-def tier() -> Iterator[ArenaTier]:
-    region = ArenaRegion.create("ns-gen", uuid.uuid4().hex, 256 * KiB)
-    tier = ArenaTier(region, capacity_bytes=128 * KiB)
-    yield tier
-    region.close()
 
 
 def _adopted(tier: ArenaTier, holder: HolderLock, i: int, nbytes: int) -> tuple[ShardId, int]:
@@ -52,7 +40,8 @@ def test_the_table_sits_after_the_extents_and_grows_with_the_region() -> None:
     assert region[: generations.extents_bytes].sum() == 0  # no extent byte touched
 
 
-def test_freeing_an_extent_bumps_its_generation_where_workers_see_it(tier: ArenaTier) -> None:
+def test_freeing_an_extent_bumps_its_generation_where_workers_see_it(arena_tier: ArenaTier) -> None:
+    tier = arena_tier
     holder = HolderLock(tier.region.info.path)
     worker_view = Generations(ArenaMapping(tier.region.info).array)
     shards = [_adopted(tier, holder, i, 3000 + 64 * i) for i in range(8)]
