@@ -230,7 +230,12 @@ class ArenaJobs:
         its shards are (see :meth:`_read_unpinned`); False if one is not there or the
         check failed (the caller pins)."""
         arena = self._local_arena(spec, scatter)
-        if arena is None or not self.read_unpinned:
+        return arena is not None and self._load_unpinned(arena, spec, plan, scatter)
+
+    def _load_unpinned(
+        self, arena: WorkerArena, spec: LoadSpec, plan: JobPlan, scatter: Scatter
+    ) -> bool:
+        if not self.read_unpinned:
             return False
         keys = list(spec.keys)
         found = arena.directory.find([ShardId(spec.namespace, k, self._rank) for k in keys])
@@ -245,11 +250,11 @@ class ArenaJobs:
         """Transfer thread: serve the load from the local arena, unpinned if it can
         (``unpinned=False``: that was tried already), else pinned; False if this path
         cannot (the caller then loads through the object store)."""
-        if unpinned and self.load_unpinned(spec, plan, scatter):
-            return True
         arena = self._local_arena(spec, scatter)
         if arena is None:
             return False
+        if unpinned and self._load_unpinned(arena, spec, plan, scatter):
+            return True
         try:
             pins = arena.pin(spec.namespace, self._rank, list(spec.keys))
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...

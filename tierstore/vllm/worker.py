@@ -287,14 +287,14 @@ class TierStoreWorker(OffloadingWorker):
         # Here, on the model-runner thread: on CUDA the copy is ordered after its stream.
         scatter = self._copier.prepare_scatter(plan, dst_spec.block_ids, expedited)
         started = time.perf_counter()
-        if self._loaded_inline(src_spec, plan, scatter):
+        inline = scatter.on_caller and plan.nbytes <= INLINE_LOAD_MAX_BYTES
+        if inline and self._loaded_inline(src_spec, plan, scatter):
             result = TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
             self._track(job_id, _done(result))
             return True
-        tried = scatter.on_caller and plan.nbytes <= INLINE_LOAD_MAX_BYTES
         self._track(
             job_id,
-            self._pool.submit(self._load_or_fail, job_id, src_spec, scatter, plan, started, tried),
+            self._pool.submit(self._load_or_fail, job_id, src_spec, scatter, plan, started, inline),
         )
         return True
 
@@ -302,8 +302,6 @@ class TierStoreWorker(OffloadingWorker):
         """Model-runner thread: a small unpinned same-node load on the host executor
         (:data:`INLINE_LOAD_MAX_BYTES`). True once its bytes are in place; False
         (nothing reported) sends it to a transfer thread."""
-        if not scatter.on_caller or plan.nbytes > INLINE_LOAD_MAX_BYTES:
-            return False
         try:
             return self.arena.load_unpinned(spec, plan, scatter)
         except Exception:  # the transfer thread tries again, and reports a failure
