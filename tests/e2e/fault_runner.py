@@ -6,9 +6,11 @@ Run by ``test_failed_load.py`` as ``python -m tests.e2e.fault_runner ARGS_JSON O
 1. ``PROMPT`` is computed (nothing stored yet) and stored; the device cache is reset.
 2. The fault: ``corrupt`` flips a byte of every shard this namespace holds in memory (a
    lookup still answers HIT, the NodeStore's checksum then fails the load); ``kill``
-   kills the NodeStore that holds the only copy (the Evictor still indexes its chunks
-   until a new NodeStore registers: placing one takes over a second, the next request's
-   lookup a few milliseconds).
+   loses the only copy: it kills the NodeStore that holds it and zeroes the arena file
+   it leaves (the Evictor still indexes its chunks until a new NodeStore registers:
+   placing one takes over a second, the next request's lookup a few milliseconds).
+   Killing the process alone is no fault for a same-node load: the arena outlives it,
+   and the worker reads it unpinned, verified, as long as the file is its own.
 3. ``PROMPT`` again: its load fails and it is recomputed.
 4. The engine keeps serving: ``OTHER`` is computed, stored and (device cache reset) loaded
    back from tierstore.
@@ -16,7 +18,9 @@ Run by ``test_failed_load.py`` as ``python -m tests.e2e.fault_runner ARGS_JSON O
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -49,17 +53,32 @@ def _corrupt_all(namespace: str, node: str) -> int:
 
 
 def _kill(store: ray.actor.ActorHandle) -> None:
-    """Kill the NodeStore and return once it is dead (``ray.kill`` does not wait); a new
-    one takes the Evictor's reconcile (every 2 s) plus an actor start (over a second)."""
+    """Kill the NodeStore and wipe its arena; return once it is dead (``ray.kill`` does
+    not wait). A new NodeStore takes the Evictor's reconcile (every 2 s) plus an actor
+    start (over a second)."""
+    region, _ = ray.get(store.arena_info.remote())
+    arena_file = os.stat(region.path).st_ino  # not a successor's, if one came already
     ray.kill(store, no_restart=True)
     deadline = time.monotonic() + _NODE_STORE_WAIT_S
     while time.monotonic() < deadline:
         try:
             ray.get(store.status.remote(), timeout=10)
         except ray.exceptions.RayActorError:
+            _wipe(region.path, arena_file)
             return
         time.sleep(0.01)
     raise TimeoutError("the killed NodeStore still answers")
+
+
+def _wipe(path: str, inode: int) -> None:
+    """Zero the arena file, tables and extents, as if its memory were lost (not a
+    successor's file; never truncated: the worker's mapping would fault past the end)."""
+    with contextlib.suppress(FileNotFoundError), open(path, "r+b") as arena:
+        if os.fstat(arena.fileno()).st_ino != inode:
+            return
+        size, zeros = os.fstat(arena.fileno()).st_size, bytes(1 << 20)
+        for at in range(0, size, len(zeros)):
+            arena.write(zeros[: size - at])
 
 
 def _wait_for_node_store(namespace: str, node: str) -> None:
