@@ -100,3 +100,20 @@ def test_an_entry_being_written_is_not_trusted(arena_tier: ArenaTier) -> None:
     assert directory.find([_shard(3)]) is None
     entries[slot, 0] += np.uint64(1)  # and last
     assert directory.find([_shard(3)]) is not None
+
+
+def test_chunks_of_more_than_63_slots_are_found_when_whole(arena_tier: ArenaTier) -> None:
+    """A chunk of 256 blocks (a 16 MiB chunk of 64 KiB pages): its slot mask does not fit
+    a word, so it is kept as "all 256 slots"; a partial one is not kept (its loads pin)."""
+    tier = arena_tier
+    directory, _ = _worker_view(tier)
+    whole = ShardMeta(512, digest(np.zeros(512, np.uint8)), (1 << 256) - 1)
+    tier.fill(_shard(7), whole, lambda o: o.fill(0))
+    ((_, meta, _),) = directory.find([_shard(7)]) or [(None, None, None)]
+    assert meta == whole
+    partial = ShardMeta(512, digest(np.zeros(512, np.uint8)), ((1 << 256) - 1) & ~1)
+    tier.fill(_shard(8), partial, lambda o: o.fill(0))
+    assert directory.find([_shard(8)]) is None
+    tier.fill(_shard(9), ShardMeta(512, whole.digest, 0b1011), lambda o: o.fill(0))
+    ((_, narrow, _),) = directory.find([_shard(9)]) or [(None, None, None)]
+    assert narrow.slot_mask == 0b1011

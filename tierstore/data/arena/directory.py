@@ -14,7 +14,8 @@ shard took since is not found (it pins; the pin writes its entry back). Entries 
 never deleted: a freed extent's generation moved on, so a stale entry fails its check.
 
 Each entry is one cache line of uint64 words, ``[seq, hash_hi, hash_lo, offset, nbytes,
-digest, slot_mask, generation]``. The writer makes ``seq`` odd, writes the fields, makes
+digest, slot_mask, generation]`` (a chunk of more than 63 slots: only when all are
+filled, as a flag and their number). The writer makes ``seq`` odd, writes the fields, makes
 it even; a reader reads ``seq``, the fields, ``seq`` again and trusts the fields only if
 both reads are the same even value (x86-64 keeps stores, and loads, in program order;
 elsewhere :data:`~tierstore.data.arena.generations.UNPINNED_READS` is False and nothing
@@ -37,7 +38,10 @@ from tierstore.keys import ShardId
 MAX_DIRECTORY_BYTES = 1 << 22  # 65536 entries: 4 MiB of a real arena (>= 256 MiB)
 _WORDS = 8  # uint64 words per entry: one cache line
 _SEQ, _HASH_HI, _HASH_LO, _OFFSET, _NBYTES, _DIGEST, _SLOTS, _GENERATION = range(_WORDS)
-_MAX_SLOT_MASK = (1 << 64) - 1
+_LOW_64 = (1 << 64) - 1
+# A slot mask wider than 63 bits (chunks of more than 63 blocks) is kept only when every
+# slot is filled, as this flag plus the number of slots.
+_ALL_SLOTS = 1 << 63
 
 
 def directory_bytes(region_bytes: int) -> int:
@@ -55,10 +59,21 @@ class Located(NamedTuple):
     generation: int
 
 
+def _encode_slots(slot_mask: int) -> int | None:
+    if slot_mask < _ALL_SLOTS:
+        return slot_mask
+    width = slot_mask.bit_length()
+    return _ALL_SLOTS | width if slot_mask == (1 << width) - 1 else None
+
+
+def _decode_slots(word: int) -> int:
+    return (1 << (word & ~_ALL_SLOTS)) - 1 if word & _ALL_SLOTS else word
+
+
 def _hash(shard_id: ShardId) -> tuple[int, int]:
     namespace, key, rank = shard_id
     h = xxhash.xxh3_128_intdigest(b"%s\0%d\0%s" % (namespace.encode(), rank, bytes(key)))
-    return h >> 64, h & _MAX_SLOT_MASK
+    return h >> 64, h & _LOW_64
 
 
 class ShardDirectory:
@@ -75,12 +90,13 @@ class ShardDirectory:
     def record(self, shard_id: ShardId, offset: int, meta: ShardMeta, generation: int) -> None:
         """NodeStore, under its tier's lock (one writer at a time): ``shard_id`` is held
         at ``offset``, whose generation is ``generation`` while it holds it."""
-        if meta.slot_mask > _MAX_SLOT_MASK:
-            return  # more than 64 slots a chunk: its loads pin
+        slots = _encode_slots(meta.slot_mask)
+        if slots is None:
+            return  # a partial chunk of more than 63 slots: its loads pin
         hi, lo = _hash(shard_id)
         entry = self._entries[lo & self._mask]
         entry[_SEQ] += np.uint64(1)  # odd: being written
-        fields = (hi, lo, offset, meta.nbytes, meta.digest, meta.slot_mask, generation)
+        fields = (hi, lo, offset, meta.nbytes, meta.digest, slots, generation)
         entry[_HASH_HI:] = np.array(fields, dtype=np.uint64)
         entry[_SEQ] += np.uint64(1)  # even: whole again
 
@@ -98,6 +114,6 @@ class ShardDirectory:
         for (hi, lo), row in zip(hashes, fields.tolist(), strict=True):
             if row[_HASH_HI] != hi or row[_HASH_LO] != lo:
                 return None
-            meta = ShardMeta(row[_NBYTES], row[_DIGEST], row[_SLOTS])
+            meta = ShardMeta(row[_NBYTES], row[_DIGEST], _decode_slots(row[_SLOTS]))
             found.append(Located(row[_OFFSET], meta, row[_GENERATION]))
         return found
