@@ -10,6 +10,7 @@ from tierstore.data.arena.directory import (
     MAX_DIRECTORY_BYTES,
     Located,
     ShardDirectory,
+    arena_tables,
     directory_bytes,
 )
 from tierstore.data.arena.generations import Generations
@@ -30,9 +31,8 @@ def _shard(i: int, rank: int = 0) -> ShardId:
 
 def _worker_view(tier: ArenaTier) -> tuple[ShardDirectory, Generations]:
     """The tables as a worker's own mapping of the arena sees them."""
-    array = ArenaMapping(tier.region.info).array
-    generations = Generations(array)
-    return ShardDirectory(array[: generations.extents_bytes]), generations
+    generations, directory = arena_tables(ArenaMapping(tier.region.info).array)
+    return directory, generations
 
 
 def test_the_directory_sits_between_the_extents_and_the_generations() -> None:
@@ -40,8 +40,7 @@ def test_the_directory_sits_between_the_extents_and_the_generations() -> None:
     assert directory_bytes(256 * KiB) == 4 * KiB  # 64 entries
     assert directory_bytes(100) == 64  # one entry: shards take it in turn
     region = np.zeros(256 * KiB, dtype=np.uint8)
-    generations = Generations(region)
-    directory = ShardDirectory(region[: generations.extents_bytes])
+    generations, directory = arena_tables(region)
     assert directory.extents_bytes + directory.nbytes + generations.nbytes == len(region)
     directory.record(_shard(1), 0, ShardMeta(64, 7, 1), 0)
     assert region[: directory.extents_bytes].sum() == 0  # no extent byte touched

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tierstore.data.arena.directory import ShardDirectory
+from tierstore.data.arena.directory import ShardDirectory, arena_tables
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.pool import ExtentPool
@@ -85,8 +85,7 @@ class WorkerArena:
         self._timeout_s = timeout_s
         self.info = info
         self.mapping = ArenaMapping(info)
-        self.generations = Generations(self.mapping.array)
-        self.directory = ShardDirectory(self.mapping.array[: self.generations.extents_bytes])
+        self.generations, self.directory = arena_tables(self.mapping.array)
         self._unreported = [0, 0]  # shards, bytes read unpinned, not yet told the NodeStore
         self._unreported_lock = threading.Lock()
         self._lock_file = HolderLock(info.path)

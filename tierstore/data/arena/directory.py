@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from tierstore.data.arena.generations import Generations
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import ShardId
 
@@ -117,3 +118,11 @@ class ShardDirectory:
             meta = ShardMeta(row[_NBYTES], row[_DIGEST], _decode_slots(row[_SLOTS]))
             found.append(Located(row[_OFFSET], meta, row[_GENERATION]))
         return found
+
+
+def arena_tables(array: np.ndarray) -> tuple[Generations, ShardDirectory]:
+    """The tables at the end of an arena mapping (``array``: all of it), generations last
+    and the directory before them: the one layout the NodeStore and its workers share.
+    The extents are ``array[: directory.extents_bytes]``."""
+    generations = Generations(array)
+    return generations, ShardDirectory(array[: generations.extents_bytes])

@@ -30,8 +30,7 @@ import numpy as np
 from typing_extensions import override
 
 from tierstore.data.arena.allocator import DEFAULT_ALIGN, ExtentAllocator
-from tierstore.data.arena.directory import ShardDirectory
-from tierstore.data.arena.generations import Generations
+from tierstore.data.arena.directory import arena_tables
 from tierstore.data.arena.holders import Holdings
 from tierstore.data.arena.region import ArenaRegion, RegionInfo
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
@@ -52,8 +51,7 @@ class ArenaTier(Tier):
         self.region = region
         # Bumped as each extent is freed, and where each shard is: same-node loads, of
         # any worker on the node, read committed extents unpinned.
-        self.generations = Generations(region.array)
-        self.directory = ShardDirectory(region.array[: self.generations.extents_bytes])
+        self.generations, self.directory = arena_tables(region.array)
         self.extents_bytes = self.directory.extents_bytes  # the arena before its tables
         self.allocator = ExtentAllocator(self.extents_bytes, align, on_free=self.generations.bump)
         self.holdings = Holdings(region.info.path)
@@ -169,6 +167,10 @@ class ArenaTier(Tier):
         """Lock held: the shard is in the extent at ``offset`` (``extent`` bytes), and the
         directory says so to the node's workers."""
         self._shards[shard_id] = (offset, meta, extent)
+        self._record(shard_id, offset, meta)
+
+    def _record(self, shard_id: ShardId, offset: int, meta: ShardMeta) -> None:
+        """Lock held: the directory entry, with the extent's generation while held."""
         self.directory.record(shard_id, offset, meta, *self.generations.read([offset]))
 
     def _allocate(self, nbytes: int) -> int:
@@ -241,7 +243,7 @@ class ArenaTier(Tier):
             for shard_id, (offset, meta) in zip(shard_ids, found, strict=True):
                 self.holdings.pin(holder, offset)
                 # Again: another shard may have taken its directory slot since.
-                self.directory.record(shard_id, offset, meta, *self.generations.read([offset]))
+                self._record(shard_id, offset, meta)
         return found
 
     def unpin(self, holder: str, offsets: list[int]) -> None:
