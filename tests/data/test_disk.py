@@ -117,3 +117,55 @@ def test_a_full_disk_raises_a_clear_error_and_leaves_no_file(tmp_path: Path) -> 
     assert _id(2) not in tier and tier.used_bytes == 32
     assert [p.name for p in tier.path_of(_id(1)).parent.parent.rglob("*.tmp")] == []
     assert np.array_equal(tier.get(_id(1)).data, _shard(32, 1).data)
+
+
+def _inode(path: Path) -> int:
+    return path.stat().st_ino
+
+
+def test_a_deleted_shards_file_is_written_over_by_the_next_put_not_created(
+    tmp_path: Path,
+) -> None:
+    """A full cache writes after every delete: the freed file is reused (same inode, no
+    create), and what it holds now is the new shard's bytes, verified, also after a
+    restart."""
+    tier = DiskTier(tmp_path, 10_000)
+    tier.put(_id(1), _shard(3000, 1))
+    tier.put(_id(2), _shard(500, 2))
+    freed = {_inode(tier.path_of(_id(1))), _inode(tier.path_of(_id(2)))}
+    assert tier.delete(_id(1)) == 3000 and tier.delete(_id(2)) == 500
+    assert not any(tmp_path.rglob("*.chunk"))
+
+    tier.put(_id(3), _shard(700, 3))  # shorter than one freed file, longer than the other
+    tier.put(_id(4), _shard(2000, 4))
+    assert tier.files_reused == 2
+    assert {_inode(tier.path_of(_id(3))), _inode(tier.path_of(_id(4)))} == freed
+    for i, n in ((3, 700), (4, 2000)):
+        assert tier.path_of(_id(i)).stat().st_size < n + 512  # no tail of the old bytes
+        assert np.array_equal(tier.get(_id(i)).data, _shard(n, i).data)
+    reopened = DiskTier(tmp_path, 10_000)
+    assert dict(reopened.items()) == {_id(3): _shard(700, 3).meta, _id(4): _shard(2000, 4).meta}
+    assert np.array_equal(reopened.get(_id(4)).data, _shard(2000, 4).data)
+
+
+def test_freed_files_count_against_the_capacity_and_are_never_indexed(tmp_path: Path) -> None:
+    """Bytes kept for reuse plus the shards never pass the capacity (a put that needs the
+    room unlinks freed files); files left in ``.free/`` (a crash mid-rewrite) are reused
+    at start, never served."""
+    tier = DiskTier(tmp_path, 1000)
+    for i in range(4):
+        tier.put(_id(i), _shard(250, i))
+    for i in range(4):
+        tier.delete(_id(i))
+    on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(on_disk) == 4 and sum(p.stat().st_size for p in on_disk) < 1000 + 4 * 512
+    tier.put(_id(9), _shard(900, 9))  # reuses one file, unlinks what no longer fits
+    held = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert held < 1000 + 512, held
+
+    (tmp_path / ".free" / "torn.free").write_bytes(b"TSC1 half of a rewrite")
+    reopened = DiskTier(tmp_path, 1000)
+    assert list(dict(reopened.items())) == [_id(9)]
+    assert reopened.delete(_id(9)) == 900
+    reopened.put(_id(10), _shard(64, 10))
+    assert np.array_equal(reopened.get(_id(10)).data, _shard(64, 10).data)

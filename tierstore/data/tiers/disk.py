@@ -3,9 +3,10 @@
 Why one file per shard rather than an append-only segment log: shards are evicted one
 by one and far more often than they are read, and a log would need compaction to give
 that space back (vLLM's own disk tier never deletes at all). A file per shard frees
-space with one ``unlink``, needs no compaction, and a crash can at worst leave a
+space with one metadata call, needs no compaction, and a crash can at worst leave a
 ``.tmp`` file, which start-up deletes. The cost, one inode per shard, is spread over 256
-sub-directories.
+sub-directories, and paid once: a deleted shard's file is written over by a later one
+instead of a new file being created (:mod:`tierstore.data.tiers.free_files`).
 
 File format::
 
@@ -37,6 +38,7 @@ from typing_extensions import override
 
 from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
+from tierstore.data.tiers.free_files import FreeFiles
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, ShardId, group_of
 
@@ -77,7 +79,11 @@ class DiskTier(Tier):
         self.corrupt_files_removed = 0
         self.root.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
         os.chmod(self.root, _DIR_MODE)
+        self._dirs: set[Path] = set()  # shard directories known to exist
         self._rebuild()
+        self._free = FreeFiles(self.root, _DIR_MODE)  # after the shards: they come first
+        for extra in self._free.trim(self.free_bytes):
+            _remove(extra)
 
     # ---- paths -----------------------------------------------------------------------------
     def _path(self, shard_id: ShardId) -> Path:
@@ -95,34 +101,13 @@ class DiskTier(Tier):
                 return
             self._check_room(shard.meta.nbytes)
             self._used_bytes += shard.meta.nbytes
-        header = msgpack.packb(
-            {
-                "namespace": shard_id.namespace,
-                "key": bytes(shard_id.key),
-                "group": group_of(shard_id.key),
-                "rank": shard_id.rank,
-                "length": shard.meta.nbytes,
-                "slot_mask": shard.meta.slot_mask,
-                "checksum": CHECKSUM_ALGORITHM,
-                "digest": shard.meta.digest,
-                "world_size": shard.meta.world_size,
-                "parent": shard.meta.parent,
-            }
-        )
-        path.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            recycled = self._free.take()
+            spilled = self._free.trim(self.free_bytes)
+        for extra in spilled:  # the room the shard needs (a freed file held it)
+            extra.unlink(missing_ok=True)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
-            with os.fdopen(fd, "wb") as out:
-                out.write(_PREFIX.pack(MAGIC, len(header)))
-                out.write(header)
-                out.write(memoryview(np.ascontiguousarray(shard.data)).cast("B"))
-                if self.fsync:
-                    out.flush()
-                    os.fsync(out.fileno())
-            os.replace(tmp, path)  # atomic publish: readers see all or nothing
+            self._write(path, recycled, shard_id, shard)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             with self._lock:
                 self._used_bytes -= shard.meta.nbytes
             raise TierFullError(f"disk tier write failed at {path}: {exc}") from exc
@@ -131,6 +116,34 @@ class DiskTier(Tier):
                 self._used_bytes -= shard.meta.nbytes
             else:
                 self._index[shard_id] = (path, shard.meta)
+
+    def _write(
+        self, path: Path, recycled: Path | None, shard_id: ShardId, shard: StoredShard
+    ) -> None:
+        """Write the file under a private name (a recycled file, else a new ``.tmp``),
+        then publish it with one atomic rename: readers see all of it or nothing. On
+        failure the private file is removed and the error raised."""
+        if path.parent not in self._dirs:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
+            self._dirs.add(path.parent)
+        if recycled is not None:
+            private, flags = recycled, os.O_WRONLY
+        else:
+            private = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            fd = os.open(private, flags, _FILE_MODE)
+            with os.fdopen(fd, "wb") as out:
+                out.write(_header_bytes(shard_id, shard.meta))
+                out.write(memoryview(np.ascontiguousarray(shard.data)).cast("B"))
+                out.truncate()  # a recycled file may have been longer
+                if self.fsync:
+                    out.flush()
+                    os.fsync(out.fileno())
+            os.replace(private, path)
+        except OSError:
+            private.unlink(missing_ok=True)
+            raise
 
     @override
     def get(self, shard_id: ShardId) -> StoredShard:
@@ -179,8 +192,9 @@ class DiskTier(Tier):
             return 0
         del self._index[shard_id]
         path, meta = entry
-        path.unlink(missing_ok=True)  # one metadata syscall; never a payload under the lock
         self._used_bytes -= meta.nbytes
+        # One metadata syscall (a rename into .free/, else an unlink); never a payload.
+        self._free.keep(path, meta.nbytes, self.free_bytes)
         return meta.nbytes
 
     @override
@@ -196,6 +210,11 @@ class DiskTier(Tier):
     @override
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def files_reused(self) -> int:
+        """Writes that went into a deleted shard's file instead of a new one."""
+        return self._free.reused
 
     def path_of(self, shard_id: ShardId) -> Path:
         return self._index[shard_id][0]
@@ -247,6 +266,25 @@ class DiskTier(Tier):
                 len(self._index),
                 self._used_bytes,
             )
+
+
+def _header_bytes(shard_id: ShardId, meta: ShardMeta) -> bytes:
+    """The file's prefix and header (see the module docstring)."""
+    header = msgpack.packb(
+        {
+            "namespace": shard_id.namespace,
+            "key": bytes(shard_id.key),
+            "group": group_of(shard_id.key),
+            "rank": shard_id.rank,
+            "length": meta.nbytes,
+            "slot_mask": meta.slot_mask,
+            "checksum": CHECKSUM_ALGORITHM,
+            "digest": meta.digest,
+            "world_size": meta.world_size,
+            "parent": meta.parent,
+        }
+    )
+    return _PREFIX.pack(MAGIC, len(header)) + header
 
 
 def _remove(path: Path) -> None:
