@@ -45,6 +45,8 @@ class RequestResult:
     num_cached_tokens: int
     ttft_s: float
     latency_s: float = 0.0  # wall time of generate(): submitted to last token
+    # Queued to first scheduled for compute: the TTFT's share spent on lookups and loads.
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -156,11 +158,16 @@ def run_request(llm: Any, prompt: list[int], params: Any) -> RequestResult:
         if stats is not None and stats.first_token_ts and stats.queued_ts
         else wall
     )
+    wait = (
+        stats.scheduled_ts - stats.queued_ts
+        if stats is not None and stats.scheduled_ts and stats.queued_ts
+        else 0.0
+    )
     completion = out.outputs[0]
     pairs = zip(completion.token_ids, completion.logprobs, strict=True)
     logprobs = [entry[token].logprob for token, entry in pairs]
     cached = out.num_cached_tokens or 0
-    return RequestResult(list(completion.token_ids), logprobs, cached, ttft, wall)
+    return RequestResult(list(completion.token_ids), logprobs, cached, ttft, wall, wait)
 
 
 def warm_up(llm: Any) -> None:

@@ -54,6 +54,7 @@ def run_workload(
                 "cached_tokens": result.num_cached_tokens,
                 "output_tokens": len(result.tokens),
                 "ttft_s": result.ttft_s,
+                "wait_s": result.wait_s,
                 "latency_s": result.latency_s,
             }
         )
