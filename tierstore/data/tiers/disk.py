@@ -21,13 +21,13 @@ digests only, never from raw input.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import re
 import shutil
 import struct
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,7 @@ class DiskTier(Tier):
         self.root.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
         os.chmod(self.root, _DIR_MODE)
         self._dirs: set[Path] = set()  # shard directories known to exist
+        self._tmp_names = itertools.count()
         self._rebuild()
         self._free = FreeFiles(self.root, _DIR_MODE)  # after the shards: they come first
         for extra in self._free.trim(self.free_bytes):
@@ -129,7 +130,9 @@ class DiskTier(Tier):
         if recycled is not None:
             private, flags = recycled, os.O_WRONLY
         else:
-            private = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            # Unique in this process (the only writer of this directory; start-up
+            # removes a previous run's): a counter, not uuid4's urandom call.
+            private = path.with_name(f".{path.name}.{os.getpid()}-{next(self._tmp_names)}.tmp")
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             fd = os.open(private, flags, _FILE_MODE)
