@@ -7,14 +7,16 @@ import resource
 import signal
 import stat
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 
 from tierstore.data.checksum import digest
+from tierstore.data.tiers import disk as disk_module
 from tierstore.data.tiers.base import ShardMeta, StoredShard
 from tierstore.data.tiers.disk import DiskTier
-from tierstore.errors import ChunkCorruptError, TierFullError
+from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, ShardId
 
 NS = Namespace("0123abcd")
@@ -169,3 +171,30 @@ def test_freed_files_count_against_the_capacity_and_are_never_indexed(tmp_path: 
     assert reopened.delete(_id(9)) == 900
     reopened.put(_id(10), _shard(64, 10))
     assert np.array_equal(reopened.get(_id(10)).data, _shard(64, 10).data)
+
+
+def test_a_read_racing_the_reuse_of_its_file_never_returns_the_new_shards_bytes(
+    tmp_path: Path,
+) -> None:
+    """A reader that opened a shard's file just before the shard was deleted and its file
+    written over by another shard of the same size reads the other shard's bytes: the
+    digest check turns that into 'not found', and the other shard stays intact."""
+    tier = DiskTier(tmp_path, 10_000)
+    tier.put(_id(1), _shard(1000, 1))
+
+    def read_while_reused(path: Path, out: np.ndarray) -> dict[str, object]:
+        with open(path, "rb") as f:
+            tier.delete(_id(1))
+            tier.put(_id(2), _shard(1000, 2))
+            assert tier.files_reused == 1
+            header, _ = disk_module._read_header_from(f)
+            f.readinto(memoryview(out).cast("B"))
+        return header
+
+    with (
+        patch.object(disk_module, "_read_file_into", read_while_reused),
+        pytest.raises(ChunkNotFoundError, match="dropped"),
+    ):
+        tier.get(_id(1))
+    assert tier.corrupt_files_removed == 0
+    assert np.array_equal(tier.get(_id(2)).data, _shard(1000, 2).data)
