@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-from vllm.v1.kv_offload.base import TransferResult
 
 from tierstore.data.arena.directory import Located
 from tierstore.data.arena.generations import UNPINNED_READS
@@ -61,15 +60,16 @@ class Filled(NamedTuple):
 @dataclass(frozen=True, eq=False)
 class Commit:
     """A store job gathered into extents, its commit waiting to be sent in a batch;
-    ``done`` is set once the NodeStore answered (or the commit failed). The job itself
-    is reported done before: once its bytes are in the extents."""
+    ``done`` is set once the NodeStore answered (or the commit failed): what
+    ``wait_committed`` waits for. The job itself is reported done before, once its
+    bytes are in the extents, with their copy's result."""
 
     job_id: int
     filled: Filled
     spec: StoreSpec
     plan: JobPlan
     gathered: Gathered
-    done: Future[TransferResult] = field(default_factory=Future)
+    done: Future[None] = field(default_factory=Future)
 
 
 class ArenaJobs:

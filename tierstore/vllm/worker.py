@@ -237,7 +237,7 @@ class TierStoreWorker(OffloadingWorker):
             self._uncommitted.difference_update(batch)
         for c in batch:
             if not c.done.done():
-                c.done.set_result(_copied(c))
+                c.done.set_result(None)
 
     def _store_failed(self, job_id: int, n_chunks: int, error: Exception) -> None:
         """A lost store costs a future recompute, never wrong output: the job is
