@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import stat
 from pathlib import Path
@@ -198,3 +199,18 @@ def test_a_read_racing_the_reuse_of_its_file_never_returns_the_new_shards_bytes(
         tier.get(_id(1))
     assert tier.corrupt_files_removed == 0
     assert np.array_equal(tier.get(_id(2)).data, _shard(1000, 2).data)
+
+
+def test_a_shard_directory_removed_under_the_tier_is_made_again(tmp_path: Path) -> None:
+    """Directories are created once and remembered; one removed from outside costs one
+    failed write (a clear error, nothing indexed), not every later one."""
+    tier = DiskTier(tmp_path, 10_000)
+    tier.put(_id(1), _shard(64, 1))
+    folder = tier.path_of(_id(1)).parent
+    tier.delete(_id(1))
+    shutil.rmtree(folder)
+    with pytest.raises(TierFullError, match="write failed"):
+        tier.put(_id(1), _shard(64, 1))
+    assert _id(1) not in tier and tier.used_bytes == 0
+    tier.put(_id(1), _shard(64, 1))
+    assert np.array_equal(tier.get(_id(1)).data, _shard(64, 1).data)

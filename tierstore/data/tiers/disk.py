@@ -146,6 +146,7 @@ class DiskTier(Tier):
             os.replace(private, path)
         except OSError:
             private.unlink(missing_ok=True)
+            self._dirs.discard(path.parent)  # made again next time, had it been removed
             raise
 
     @override
