@@ -25,7 +25,6 @@ import itertools
 import logging
 import os
 import re
-import shutil
 import struct
 import threading
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ from typing_extensions import override
 
 from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
-from tierstore.data.tiers.free_files import FreeFiles
+from tierstore.data.tiers.free_files import FreeFiles, remove
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, ShardId, group_of
 
@@ -84,7 +83,7 @@ class DiskTier(Tier):
         self._rebuild()
         self._free = FreeFiles(self.root, _DIR_MODE)  # after the shards: they come first
         for extra in self._free.trim(self.free_bytes):
-            _remove(extra)
+            remove(extra)
 
     # ---- paths -----------------------------------------------------------------------------
     def _path(self, shard_id: ShardId) -> Path:
@@ -105,7 +104,7 @@ class DiskTier(Tier):
             recycled = self._free.take()
             spilled = self._free.trim(self.free_bytes)
         for extra in spilled:  # the room the shard needs (a freed file held it)
-            extra.unlink(missing_ok=True)
+            remove(extra)
         try:
             self._write(path, recycled, shard_id, shard)
         except OSError as exc:
@@ -145,7 +144,7 @@ class DiskTier(Tier):
                     os.fsync(out.fileno())
             os.replace(private, path)
         except OSError:
-            private.unlink(missing_ok=True)
+            remove(private)
             self._dirs.discard(path.parent)  # made again next time, had it been removed
             raise
 
@@ -250,7 +249,7 @@ class DiskTier(Tier):
         """Inventory from the headers alone; payloads are verified when read."""
         for path in self.root.glob("*/*/*"):
             if path.name.endswith(".tmp"):
-                _remove(path)  # a write that never published
+                remove(path)  # a write that never published
                 continue
             if not path.name.endswith(".chunk"):
                 continue
@@ -258,7 +257,7 @@ class DiskTier(Tier):
                 shard_id, meta = self._recover(path)
             except _UNREADABLE as exc:
                 logger.warning("removing unreadable chunk file %s: %s", path, exc)
-                _remove(path)
+                remove(path)
                 self.corrupt_files_removed += 1
                 continue
             self._index[shard_id] = (path, meta)
@@ -289,18 +288,6 @@ def _header_bytes(shard_id: ShardId, meta: ShardMeta) -> bytes:
         }
     )
     return _PREFIX.pack(MAGIC, len(header)) + header
-
-
-def _remove(path: Path) -> None:
-    """Remove a rejected file (or a directory where a file should be); it is not indexed
-    either way, so a failure here is only logged."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    except OSError:
-        logger.warning("could not remove %s", path, exc_info=True)
 
 
 def _field(header: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -55,15 +56,11 @@ class FreeFiles:
                 self._files.append((path, size))
                 self.held_bytes += size
             else:
-                _unlink(path)
+                remove(path)
 
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def keep(self, path: Path, nbytes: int, room: int) -> bool:
+    def keep(self, path: Path, nbytes: int, room: int) -> None:
         """Move a deleted shard's file here if fewer than :data:`MAX_FREE_FILES` are kept
-        and ``room`` bytes (the tier's unused capacity) cover it; else unlink it.
-        True if kept."""
+        and ``room`` bytes (the tier's unused capacity) cover it; else unlink it."""
         if len(self._files) < MAX_FREE_FILES and self.held_bytes + nbytes <= room:
             target = self.dir / f"{self._run}-{next(self._names)}.free"
             try:
@@ -73,9 +70,8 @@ class FreeFiles:
             else:
                 self._files.append((target, nbytes))
                 self.held_bytes += nbytes
-                return True
-        _unlink(path)
-        return False
+                return
+        remove(path)
 
     def take(self) -> Path | None:
         """A file to write a new shard over (the caller publishes it by renaming it, or
@@ -98,8 +94,13 @@ class FreeFiles:
         return spilled
 
 
-def _unlink(path: Path) -> None:
+def remove(path: Path) -> None:
+    """Remove a file the disk tier gave up (or a directory where a file should be); it
+    is not indexed either way, so a failure here is only logged."""
     try:
-        path.unlink(missing_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     except OSError:
         logger.warning("could not remove %s", path, exc_info=True)
