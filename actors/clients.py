@@ -247,8 +247,10 @@ class NodeStoreClient:
     def status(self) -> Pending[dict[str, Any]]:
         return self._call("status")
 
-    def disk_file_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> Pending[str]:
-        return self._call("disk_file_for_test", namespace, key, rank)
+    def disk_location_for_test(
+        self, namespace: Namespace, key: ChunkKey, rank: int
+    ) -> Pending[tuple[str, int, int]]:
+        return self._call("disk_location_for_test", namespace, key, rank)
 
     def corrupt_in_memory_for_test(
         self, namespace: Namespace, key: ChunkKey, rank: int

@@ -343,10 +343,13 @@ class NodeStore:
             "arena": self._cpu.status(),
         }
 
-    def disk_file_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> str:
-        """Where a shard's file lies (tests corrupt it on purpose)."""
+    def disk_location_for_test(
+        self, namespace: Namespace, key: ChunkKey, rank: int
+    ) -> tuple[str, int, int]:
+        """Where a shard's payload lies on disk: (file, offset, bytes); tests corrupt it."""
         assert self._core.disk is not None
-        return str(self._core.disk.path_of(ShardId(namespace, key, rank)))
+        where = self._core.disk.location_of(ShardId(namespace, key, rank))
+        return str(where.path), where.payload_offset, where.nbytes
 
     def corrupt_in_memory_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> None:
         self._core.corrupt_in_memory(ShardId(namespace, key, rank))

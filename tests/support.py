@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -110,3 +111,22 @@ def holder_process(arena_path: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
+
+
+def overwrite(path: str | Path, offset: int, data: bytes) -> bytes:
+    """Write ``data`` at ``offset`` of an existing file (damage a stored chunk on
+    purpose); returns the bytes it replaced."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        replaced = f.read(len(data))
+        f.seek(offset)
+        f.write(data)
+    return replaced
+
+
+def flip_bit(path: str | Path, offset: int, mask: int = 0x01) -> None:
+    """Flip the bits of ``mask`` in the byte at ``offset`` of a file."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+    overwrite(path, offset, bytes([byte ^ mask]))

@@ -113,6 +113,40 @@ def bench_promotion(chunk_bytes: int, n: int, root: Path) -> dict[str, Any]:
     }
 
 
+def bench_put_cpu(chunk_bytes: int, n: int, root: Path) -> dict[str, Any]:
+    """CPU time per chunk write, what the NodeStore's write-through spends of a core the
+    engine also wants: into a tier that grows, into a full one (each write after a
+    delete, as an evicting cache does), and one new file per chunk (the layout before
+    slab files) for scale."""
+    data = np.random.default_rng(2).integers(0, 255, chunk_bytes, dtype=np.uint8)
+    shard = StoredShard(ShardMeta(chunk_bytes, digest(data), 1), data)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        tier = DiskTier(Path(tmp) / "tier", chunk_bytes * n)
+        started = time.process_time()
+        for i in range(n):
+            tier.put(_shard_id(i), shard)
+        growing = time.process_time() - started
+        started = time.process_time()
+        for i in range(n, 2 * n):
+            tier.delete(_shard_id(i - n))
+            tier.put(_shard_id(i), shard)
+        full = time.process_time() - started
+        folder = Path(tmp) / "files"
+        folder.mkdir()
+        started = time.process_time()
+        _plain_write(folder, [data] * n, fsync=False)
+        files = time.process_time() - started
+    return {
+        "chunk_bytes": chunk_bytes,
+        "chunks": n,
+        "cpu_ms_per_put": {
+            "growing": 1e3 * growing / n,
+            "full": 1e3 * full / n,
+            "file_per_chunk": 1e3 * files / n,
+        },
+    }
+
+
 def run(out_dir: Path, root: Path | None = None, quick: bool = False) -> dict[str, Any]:
     root = root or Path(tempfile.gettempdir())
     sizes = [256 << 10, 2 << 20] if quick else [64 << 10, 256 << 10, 2 << 20, 16 << 20]
@@ -124,6 +158,9 @@ def run(out_dir: Path, root: Path | None = None, quick: bool = False) -> dict[st
             for fsync in (False, True)
         ],
         "promotion": [bench_promotion(size, 8 if quick else 32, root) for size in sizes],
+        "put_cpu": [
+            bench_put_cpu(size, 200 if quick else 2000, root) for size in (32 << 10, 256 << 10)
+        ],
     }
     return results
 

@@ -4,8 +4,8 @@ A ``ray.cluster_utils`` cluster (a head and two raylets on 127.0.0.1, Ray token 
 runs tierstore's actors; ``vllm serve`` (the OpenAI server) serves a tiny fp32 Llama with
 tierstore as its KV offloader, a small CPU tier, and a disk tier on a small tmpfs of its
 own. Clients (the ``openai`` package) send a mixed greedy workload while an injector
-kills the Evictor and a NodeStore, removes a node, flips bytes in and truncates chunk
-files, fills the disk tier's filesystem, and kills and restarts the server. Every
+kills the Evictor and a NodeStore, removes a node, flips bytes in and tears stored
+chunks, fills the disk tier's filesystem, and kills and restarts the server. Every
 response is compared with the same server's answer without tierstore. Afterwards a
 sweep re-sends every prompt (device cache emptied) so each corrupt file is read.
 
@@ -41,7 +41,7 @@ class Plan:
     cycles: int  # times through the fault schedule
     gap_s: float  # between two faults
     flips: int
-    truncations: int
+    tears: int  # payload tails zeroed (a write cut short)
     tmpfs_mib: int
 
 

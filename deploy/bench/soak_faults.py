@@ -18,6 +18,8 @@ from typing import Any
 import ray
 from tierstore.actors.placement import EVICTOR_NAME, node_store_name
 
+from tierstore.data.tiers.disk import ChunkRecord, chunk_records, read_record
+
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0
@@ -69,8 +71,8 @@ class Injected:
     """What the injector did, for the figures."""
 
     faults: list[dict[str, Any]] = field(default_factory=list)
-    # Each corrupt file as left: path, size, last byte (flipped, or truncated by one byte).
-    corrupted: list[tuple[Path, int, int]] = field(default_factory=list)
+    # Each chunk corrupted, as it was before (its header names it).
+    corrupted: list[ChunkRecord] = field(default_factory=list)
     disk_acknowledged: int = 0  # shards on disk in a NodeStore's inventory before its kill
     disk_found_after: int = 0  # of those, in the inventory of the NodeStore that replaced it
 
@@ -80,12 +82,13 @@ class Injected:
         logger.info("fault %s done in %.1f s: %s", kind, took, facts)
 
     def unread(self) -> int:
-        """Corrupt files still on disk as left: never read, so never detected (nor served:
-        a read verifies the checksum and the length)."""
+        """Corrupt chunks still on disk as left: never read, so never detected (nor
+        served: a read verifies the checksum)."""
         left = 0
-        for path, size, last in self.corrupted:
+        for before in self.corrupted:
             try:
-                if path.stat().st_size == size and path.read_bytes()[-1] == last:
+                now = read_record(before.location)
+                if now is not None and now.header == before.header and not now.payload_ok():
                     left += 1
             except OSError:
                 continue
@@ -153,30 +156,28 @@ def remove_node(cluster: Any, node: Any, out: Injected) -> None:
     out.record("remove_node", started, removed=node.node_id)
 
 
-def _chunk_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.chunk") if p.is_file())
-
-
-def corrupt_files(root: Path, flips: int, truncations: int, seed: int, out: Injected) -> None:
-    """Flips the last payload byte of some chunk files and truncates others by one byte."""
+def corrupt_files(root: Path, flips: int, tears: int, seed: int, out: Injected) -> None:
+    """Flips the last payload byte of some stored chunks and zeroes the last bytes of
+    others (a write the disk never finished)."""
     started = time.monotonic()
-    files = _chunk_files(root)
-    chosen = random.Random(seed).sample(files, min(len(files), flips + truncations))
-    for path in chosen[:flips]:
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF
-        path.write_bytes(bytes(data))
-        out.corrupted.append((path, len(data), data[-1]))
-    for path in chosen[flips:]:
-        size = path.stat().st_size - 1
-        os.truncate(path, size)
-        out.corrupted.append((path, size, path.read_bytes()[-1]))
+    records = list(chunk_records(root))
+    chosen = random.Random(seed).sample(records, min(len(records), flips + tears))
+    for i, record in enumerate(chosen):
+        where = record.location
+        with open(where.path, "r+b") as f:
+            f.seek(where.payload_offset + where.nbytes - 8)
+            tail = f.read(8)
+            torn = i >= flips and any(tail)  # a tail already zero gets a flip instead
+            damaged = bytes(8) if torn else tail[:7] + bytes([tail[7] ^ 0xFF])
+            f.seek(where.payload_offset + where.nbytes - 8)
+            f.write(damaged)
+        out.corrupted.append(record)
     out.record(
         "corrupt_files",
         started,
-        files=len(files),
+        chunks=len(records),
         flipped=len(chosen[:flips]),
-        truncated=len(chosen[flips:]),
+        torn=len(chosen[flips:]),
     )
 
 

@@ -95,7 +95,7 @@ class Injector(threading.Thread):
             spare = next(n for n in self.cluster.worker_nodes if n.node_id != engine)
             faults.remove_node(self.cluster, spare, out)
         elif name == "corrupt_files":
-            faults.corrupt_files(self.root, plan.flips, plan.truncations, cycle, out)
+            faults.corrupt_files(self.root, plan.flips, plan.tears, cycle, out)
         elif name == "fill_disk" and self.fs:
             faults.fill_disk(self.root, plan.gap_s, out)
         elif name == "fill_disk":
@@ -158,7 +158,7 @@ def _figures(
             "acknowledged": inj.out.disk_acknowledged,
             "found_after": inj.out.disk_found_after,
         },
-        "sweep_restart": {  # after the corruption: truncated files are rejected on re-index
+        "sweep_restart": {  # after the corruption: chunks found corrupt before it are gone
             "acknowledged": inj.sweep_restart.disk_acknowledged,
             "found_after": inj.sweep_restart.disk_found_after,
         },

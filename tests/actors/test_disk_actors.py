@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +13,11 @@ from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor, s
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.support import poll
+from tests.support import flip_bit, overwrite, poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
+from tierstore.data.tiers.disk import chunk_records
 from tierstore.vllm.transfer_specs import StoreSpec
 
 CHUNK = 2 * 96  # one chunk of group 0 in the shared test layout
@@ -60,7 +60,7 @@ def test_cold_chunks_go_to_disk_and_come_back_exact(disk_cfg: TierStoreConfig) -
     # Every store was written through; memory keeps the 4 that fit.
     assert node["cpu"]["chunks"] == 4 and node["disk"]["chunks"] == 10
     assert node["disk"]["used_bytes"] == 10 * CHUNK
-    assert len(list(Path(disk_cfg.disk_path).rglob("*.chunk"))) == 10
+    assert len(list(chunk_records(Path(disk_cfg.disk_path)))) == 10
 
     # The oldest chunk is on disk: it is promoted before it is a HIT, then loads exact.
     spec = _load_spec(disk_cfg, keys[:1])
@@ -89,19 +89,17 @@ def test_chunks_on_disk_survive_a_restart_of_every_actor(disk_cfg: TierStoreConf
     _load_spec(disk_cfg, keys[4:8])  # and more, once the first ones may go back down
 
 
-def test_flipped_and_truncated_files_become_misses_and_are_counted(
+def test_flipped_and_torn_chunks_become_misses_and_are_counted(
     disk_cfg: TierStoreConfig,
 ) -> None:
     worker = _worker(disk_cfg, _kv())
     keys = _store_chunks(worker, 10)
     _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 10)
     store = find_node_store(disk_cfg.namespace, ray.get_runtime_context().get_node_id())
-    flipped = Path(ray.get(store.disk_file_for_test.remote(NS, keys[0], 0)))
-    truncated = Path(ray.get(store.disk_file_for_test.remote(NS, keys[1], 0)))
-    raw = bytearray(flipped.read_bytes())
-    raw[-1] ^= 0x40
-    flipped.write_bytes(bytes(raw))
-    os.truncate(truncated, truncated.stat().st_size - 3)
+    flipped, torn = (ray.get(store.disk_location_for_test.remote(NS, k, 0)) for k in keys[:2])
+    flip_bit(flipped[0], flipped[1] + flipped[2] - 1, 0x40)  # the payload's last byte
+    # A write cut short: the payload's tail never landed.
+    assert overwrite(torn[0], torn[1] + torn[2] - 8, bytes(8)) != bytes(8)
 
     states = poll(
         lambda: _lookup(disk_cfg, keys[:2]),
@@ -113,7 +111,7 @@ def test_flipped_and_truncated_files_become_misses_and_are_counted(
     status = collect_status(disk_cfg.namespace)
     assert status["totals"]["corrupt_before_hit"] == 2
     assert status["nodes"][0]["stats"]["corrupt_before_hit"] == 2
-    assert not flipped.exists() and not truncated.exists()
     evictor = get_or_create_evictor(disk_cfg)
     assert ray.get(evictor.status.remote())["chunks"] == 8
-    assert len(list(Path(disk_cfg.disk_path).rglob("*.chunk"))) == 8
+    on_disk = [bytes(r.header["key"]) for r in chunk_records(Path(disk_cfg.disk_path))]
+    assert len(on_disk) == 8 and not {bytes(k) for k in keys[:2]} & set(on_disk)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support import holder_process
+from tests.support import flip_bit, holder_process
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaMapping, ArenaRegion
 from tierstore.data.checksum import digest
@@ -141,11 +141,9 @@ def test_promotion_reads_a_disk_shard_straight_into_an_extent(
     disk.put(_id(0), StoredShard(_meta(data), data))
     tier.fill(_id(0), disk.meta(_id(0)), lambda out: disk.read_into(_id(0), out))
     assert tier.get(_id(0)).data.tobytes() == data.tobytes()
-    # a corrupt file: the checksum fails after the read, the extent is freed, no shard
-    path = disk.path_of(_id(0))
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    # a corrupt chunk: the checksum fails after the read, the extent is freed, no shard
+    where = disk.location_of(_id(0))
+    flip_bit(where.path, where.payload_offset + where.nbytes - 1, 0xFF)
     tier.delete(_id(0))
     with pytest.raises(ChunkCorruptError):
         tier.fill(_id(0), disk.meta(_id(0)), lambda out: disk.read_into(_id(0), out))

@@ -1,10 +1,9 @@
-"""The disk tier on real files: atomic, checksummed, owner-only, rebuilt on start."""
+"""The disk tier on real files: slots in slab files, checksummed, owner-only, rebuilt on start."""
 
 from __future__ import annotations
 
 import os
 import resource
-import shutil
 import signal
 import stat
 from pathlib import Path
@@ -13,10 +12,11 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
+from tests.support import flip_bit, overwrite
 from tierstore.data.checksum import digest
-from tierstore.data.tiers import disk as disk_module
+from tierstore.data.tiers import slab as slab_module
 from tierstore.data.tiers.base import ShardMeta, StoredShard
-from tierstore.data.tiers.disk import DiskTier
+from tierstore.data.tiers.disk import ChunkLocation, DiskTier, chunk_records
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, ShardId
 
@@ -46,52 +46,87 @@ def test_put_get_roundtrip_and_restart_recovers_everything(tmp_path: Path) -> No
         assert np.array_equal(reopened.get(shard_id).data, shard.data)
 
 
-def test_files_are_owner_only_and_named_by_digest(tmp_path: Path) -> None:
+def _flip(where: ChunkLocation, index: int) -> None:
+    """Flip one bit of the payload byte at ``index`` (negative: from its end)."""
+    flip_bit(where.path, where.payload_offset + index % where.nbytes)
+
+
+def _disk_bytes(root: Path) -> int:
+    """Bytes the files under ``root`` occupy on disk (holes excluded)."""
+    return sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
+
+
+def test_files_are_owner_only_and_named_by_namespace_and_size(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 10_000)
     tier.put(_id(1), _shard(64, 1))
-    path = tier.path_of(_id(1))
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    tier.put(_id(2), _shard(64, 2))
+    tier.put(_id(3), _shard(100, 3))
+    where = tier.location_of(_id(1))
+    assert where.path == tmp_path / NS / "64.slab"
+    assert tier.location_of(_id(2)).path == where.path  # one file per size
+    assert tier.location_of(_id(3)).path == tmp_path / NS / "100.slab"
+    assert stat.S_IMODE(where.path.stat().st_mode) == 0o600
     assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
-    assert path.name.removesuffix(".chunk").isalnum() and len(path.name) == 64 + 6
+    assert stat.S_IMODE((tmp_path / NS).stat().st_mode) == 0o700
     with pytest.raises(ValueError, match="hex"):
         tier.put(ShardId(Namespace("../etc"), ChunkKey(b"k" * 12), 0), _shard(8, 2))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [NS, "100.slab", "64.slab"]
 
 
-def test_flipped_byte_is_detected_and_the_file_removed(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path, 10_000)
-    tier.put(_id(1), _shard(256, 1))
-    path = tier.path_of(_id(1))
-    raw = bytearray(path.read_bytes())
-    raw[-10] ^= 0x01
-    path.write_bytes(bytes(raw))
-    with pytest.raises(ChunkCorruptError, match="checksum"):
-        tier.get(_id(1))
-    assert not path.exists() and _id(1) not in tier and tier.used_bytes == 0
-    assert tier.corrupt_files_removed == 1
-
-
-def test_truncated_file_is_detected_now_and_at_restart(tmp_path: Path) -> None:
+def test_flipped_byte_is_detected_and_the_chunk_freed(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 10_000)
     tier.put(_id(1), _shard(256, 1))
     tier.put(_id(2), _shard(256, 2))
-    for i in (1, 2):
-        path = tier.path_of(_id(i))
-        os.truncate(path, path.stat().st_size - 7)
-    with pytest.raises(ChunkCorruptError):
+    _flip(tier.location_of(_id(1)), -10)
+    with pytest.raises(ChunkCorruptError, match="checksum"):
         tier.get(_id(1))
-    reopened = DiskTier(tmp_path, 10_000)  # the other truncated file is caught on start
-    assert _id(2) not in reopened and reopened.corrupt_files_removed == 1
+    assert _id(1) not in tier and tier.used_bytes == 256
+    assert tier.corrupt_chunks_removed == 1
+    assert np.array_equal(tier.get(_id(2)).data, _shard(256, 2).data)  # its neighbour
+    reopened = DiskTier(tmp_path, 10_000)  # the freed slot is not indexed again
+    assert list(dict(reopened.items())) == [_id(2)]
 
 
-def test_unpublished_temp_files_and_junk_are_cleaned_at_start(tmp_path: Path) -> None:
+def test_a_torn_write_is_never_served_and_a_torn_file_tail_is_cut_at_start(
+    tmp_path: Path,
+) -> None:
+    """A crash can leave a slot whose payload is partly written, or a file cut inside its
+    last slot: the first fails its checksum when read, the second is cut off at start."""
+    tier = DiskTier(tmp_path, 10_000)
+    for i in (1, 2, 3):
+        tier.put(_id(i), _shard(256, i))
+    torn = tier.location_of(_id(1))
+    overwrite(torn.path, torn.payload_offset + 100, bytes(156))
+    os.truncate(torn.path, torn.path.stat().st_size - 7)  # slot 3's tail
+    reopened = DiskTier(tmp_path, 10_000)
+    assert set(dict(reopened.items())) == {_id(1), _id(2)}
+    assert torn.path.stat().st_size == 2 * slab_module.slot_bytes_for(256)
+    with pytest.raises(ChunkCorruptError, match="checksum"):
+        reopened.get(_id(1))
+    assert np.array_equal(reopened.get(_id(2)).data, _shard(256, 2).data)
+    assert _id(1) not in DiskTier(tmp_path, 10_000)
+
+
+def test_junk_headers_legacy_files_and_unknown_files_at_start(tmp_path: Path) -> None:
+    """A slot whose header is junk is counted and freed; chunk files of the old layout
+    (one file per chunk) and their temp files are removed; files that are not the
+    tier's are left alone."""
     tier = DiskTier(tmp_path, 10_000)
     tier.put(_id(1), _shard(32, 1))
-    folder = tier.path_of(_id(1)).parent
-    (folder / ".half-written.tmp").write_bytes(b"partial")
-    (folder / ("f" * 64 + ".chunk")).write_bytes(b"not a chunk file")
+    tier.put(_id(2), _shard(32, 2))
+    junk = tier.location_of(_id(2))
+    overwrite(junk.path, junk.payload_offset - 4096, b"TSC2\0\0\0\5junk!")
+    legacy = tmp_path / NS / "ab"
+    legacy.mkdir()
+    (legacy / ("ab" + "0" * 62 + ".chunk")).write_bytes(b"TSC1 an old chunk")
+    (legacy / ".half-written.tmp").write_bytes(b"partial")
+    (tmp_path / ".free").mkdir()
+    (tmp_path / ".free" / "x.free").write_bytes(b"freed")
+    (tmp_path / NS / "notes.txt").write_bytes(b"an operator's")
     reopened = DiskTier(tmp_path, 10_000)
-    assert list(dict(reopened.items())) == [_id(1)]
-    assert sorted(p.name for p in folder.iterdir()) == [tier.path_of(_id(1)).name]
+    assert list(dict(reopened.items())) == [_id(1)] and reopened.corrupt_chunks_removed == 1
+    assert sorted(p.name for p in (tmp_path / NS).iterdir()) == ["32.slab", "notes.txt"]
+    assert not (tmp_path / ".free").exists()
 
 
 def test_capacity_is_enforced(tmp_path: Path) -> None:
@@ -104,113 +139,92 @@ def test_capacity_is_enforced(tmp_path: Path) -> None:
     assert tier.used_bytes == 200
 
 
-def test_a_full_disk_raises_a_clear_error_and_leaves_no_file(tmp_path: Path) -> None:
+def test_a_full_disk_raises_a_clear_error_and_loses_nothing(tmp_path: Path) -> None:
     """The file-size limit makes the kernel refuse the write (EFBIG), as a full disk would."""
     tier = DiskTier(tmp_path, 1 << 20)
-    tier.put(_id(1), _shard(32, 1))
+    tier.put(_id(1), _shard(8192, 1))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
     try:
         with pytest.raises(TierFullError, match="write failed"):
-            tier.put(_id(2), _shard(8192, 2))
+            tier.put(_id(2), _shard(8192, 2))  # its slot would end at 24 KiB
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
-    assert _id(2) not in tier and tier.used_bytes == 32
-    assert [p.name for p in tier.path_of(_id(1)).parent.parent.rglob("*.tmp")] == []
-    assert np.array_equal(tier.get(_id(1)).data, _shard(32, 1).data)
+    assert _id(2) not in tier and tier.used_bytes == 8192
+    assert np.array_equal(tier.get(_id(1)).data, _shard(8192, 1).data)
+    tier.put(_id(2), _shard(8192, 2))  # room again: the failed slot is written over
+    reopened = DiskTier(tmp_path, 1 << 20)
+    assert set(dict(reopened.items())) == {_id(1), _id(2)}
+    assert np.array_equal(reopened.get(_id(2)).data, _shard(8192, 2).data)
 
 
-def _inode(path: Path) -> int:
-    return path.stat().st_ino
-
-
-def test_a_deleted_shards_file_is_written_over_by_the_next_put_not_created(
-    tmp_path: Path,
-) -> None:
-    """A full cache writes after every delete: the freed file is reused (same inode, no
-    create), and what it holds now is the new shard's bytes, verified, also after a
-    restart."""
+def test_a_deleted_shards_slot_is_written_over_by_the_next_put(tmp_path: Path) -> None:
+    """A full cache writes after every delete: the freed slot is reused (no new disk
+    blocks), and what it holds now is the new shard's bytes, verified, also after a
+    restart; the deleted shard never comes back."""
     tier = DiskTier(tmp_path, 10_000)
     tier.put(_id(1), _shard(3000, 1))
-    tier.put(_id(2), _shard(500, 2))
-    freed = {_inode(tier.path_of(_id(1))), _inode(tier.path_of(_id(2)))}
-    assert tier.delete(_id(1)) == 3000 and tier.delete(_id(2)) == 500
-    assert not any(tmp_path.rglob("*.chunk"))
-
-    tier.put(_id(3), _shard(700, 3))  # shorter than one freed file, longer than the other
-    tier.put(_id(4), _shard(2000, 4))
-    assert tier.files_reused == 2
-    assert {_inode(tier.path_of(_id(3))), _inode(tier.path_of(_id(4)))} == freed
-    for i, n in ((3, 700), (4, 2000)):
-        assert tier.path_of(_id(i)).stat().st_size < n + 512  # no tail of the old bytes
-        assert np.array_equal(tier.get(_id(i)).data, _shard(n, i).data)
+    tier.put(_id(2), _shard(3000, 2))
+    size = tier.location_of(_id(2)).path.stat().st_size
+    assert tier.delete(_id(1)) == 3000
+    tier.put(_id(3), _shard(3000, 3))
+    assert tier.slots_reused == 1
+    assert tier.location_of(_id(3)).path.stat().st_size == size  # no slot added
+    assert tier.location_of(_id(3)).payload_offset == 4096  # slot 0, where 1 was
+    assert np.array_equal(tier.get(_id(3)).data, _shard(3000, 3).data)
+    tier.delete(_id(2))
     reopened = DiskTier(tmp_path, 10_000)
-    assert dict(reopened.items()) == {_id(3): _shard(700, 3).meta, _id(4): _shard(2000, 4).meta}
-    assert np.array_equal(reopened.get(_id(4)).data, _shard(2000, 4).data)
+    assert dict(reopened.items()) == {_id(3): _shard(3000, 3).meta}
+    assert np.array_equal(reopened.get(_id(3)).data, _shard(3000, 3).data)
+    assert tier.location_of(_id(3)).path.stat().st_size == size // 2  # free tail cut
 
 
-def test_freed_files_count_against_the_capacity_and_are_never_indexed(tmp_path: Path) -> None:
-    """Bytes kept for reuse plus the shards never pass the capacity (a put that needs the
-    room unlinks freed files); files left in ``.free/`` (a crash mid-rewrite) are reused
-    at start, never served."""
-    tier = DiskTier(tmp_path, 1000)
-    for i in range(4):
-        tier.put(_id(i), _shard(250, i))
-    for i in range(4):
-        tier.delete(_id(i))
-    on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert len(on_disk) == 4 and sum(p.stat().st_size for p in on_disk) < 1000 + 4 * 512
-    tier.put(_id(9), _shard(900, 9))  # reuses one file, unlinks what no longer fits
-    held = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
-    assert held < 1000 + 512, held
-
-    (tmp_path / ".free" / "torn.free").write_bytes(b"TSC1 half of a rewrite")
-    reopened = DiskTier(tmp_path, 1000)
-    assert list(dict(reopened.items())) == [_id(9)]
-    assert reopened.delete(_id(9)) == 900
-    reopened.put(_id(10), _shard(64, 10))
-    assert np.array_equal(reopened.get(_id(10)).data, _shard(64, 10).data)
-
-
-def test_a_read_racing_the_reuse_of_its_file_never_returns_the_new_shards_bytes(
+def test_freed_slots_count_against_the_capacity_and_are_punched_out_for_room(
     tmp_path: Path,
 ) -> None:
-    """A reader that opened a shard's file just before the shard was deleted and its file
-    written over by another shard of the same size reads the other shard's bytes: the
-    digest check turns that into 'not found', and the other shard stays intact."""
+    """Freed slots kept for reuse plus the shards never pass the capacity: a write of
+    another size that needs the room gives the kept slots' disk blocks back."""
+    tier = DiskTier(tmp_path, 64 * 1024)
+    for i in range(4):
+        tier.put(_id(i), _shard(16 * 1024, i))
+    for i in range(4):
+        tier.delete(_id(i))
+    held = _disk_bytes(tmp_path)
+    assert held >= 4 * 16 * 1024
+    tier.put(_id(9), _shard(60 * 1024, 9))  # another size: three kept slots must go
+    assert _disk_bytes(tmp_path) <= held + 64 * 1024 - 3 * 16 * 1024
+    assert np.array_equal(tier.get(_id(9)).data, _shard(60 * 1024, 9).data)
+    tier.delete(_id(9))
+    for i in range(4):  # the punched slots are written again
+        tier.put(_id(i), _shard(16 * 1024, i))
+    reopened = DiskTier(tmp_path, 64 * 1024)
+    assert set(dict(reopened.items())) == {_id(i) for i in range(4)}
+    assert reopened.used_bytes == 64 * 1024
+    assert all(r.payload_ok() for r in chunk_records(tmp_path))
+
+
+def test_a_read_racing_the_reuse_of_its_slot_never_returns_the_new_shards_bytes(
+    tmp_path: Path,
+) -> None:
+    """A read of a shard that is deleted, and its slot written over by another shard of
+    the same size, while the read runs reads the other shard's bytes: the digest check
+    turns that into 'not found', and the other shard stays intact."""
     tier = DiskTier(tmp_path, 10_000)
     tier.put(_id(1), _shard(1000, 1))
+    read_payload = slab_module.SlabFile.read_payload
 
-    def read_while_reused(path: Path, out: np.ndarray) -> dict[str, object]:
-        with open(path, "rb") as f:
-            tier.delete(_id(1))
-            tier.put(_id(2), _shard(1000, 2))
-            assert tier.files_reused == 1
-            header, _ = disk_module._read_header_from(f)
-            f.readinto(memoryview(out).cast("B"))
-        return header
+    def read_while_reused(slab: slab_module.SlabFile, slot: int, out: np.ndarray) -> int:
+        tier.delete(_id(1))
+        tier.put(_id(2), _shard(1000, 2))
+        assert tier.slots_reused == 1
+        return read_payload(slab, slot, out)
 
     with (
-        patch.object(disk_module, "_read_file_into", read_while_reused),
+        patch.object(slab_module.SlabFile, "read_payload", read_while_reused),
         pytest.raises(ChunkNotFoundError, match="dropped"),
     ):
         tier.get(_id(1))
-    assert tier.corrupt_files_removed == 0
+    assert tier.corrupt_chunks_removed == 0
     assert np.array_equal(tier.get(_id(2)).data, _shard(1000, 2).data)
-
-
-def test_a_shard_directory_removed_under_the_tier_is_made_again(tmp_path: Path) -> None:
-    """Directories are created once and remembered; one removed from outside costs one
-    failed write (a clear error, nothing indexed), not every later one."""
-    tier = DiskTier(tmp_path, 10_000)
-    tier.put(_id(1), _shard(64, 1))
-    folder = tier.path_of(_id(1)).parent
-    tier.delete(_id(1))
-    shutil.rmtree(folder)
-    with pytest.raises(TierFullError, match="write failed"):
-        tier.put(_id(1), _shard(64, 1))
-    assert _id(1) not in tier and tier.used_bytes == 0
-    tier.put(_id(1), _shard(64, 1))
-    assert np.array_equal(tier.get(_id(1)).data, _shard(64, 1).data)

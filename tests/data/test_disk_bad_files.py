@@ -1,8 +1,9 @@
-"""Crafted chunk files: never served, never crash recovery or a read, counted and removed.
+"""Crafted chunk headers and payloads: never served, never crash recovery or a read,
+counted and freed.
 
 The disk tier's start-up rebuild is the NodeStore's recovery (``DiskTier.__init__``), and
-``get`` is its read on a load; both run on files anyone with write access to the disk
-directory could have made.
+``get`` is its read on a load; both run on slab files anyone with write access to the
+disk directory could have written.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard
-from tierstore.data.tiers.disk import MAGIC, DiskTier
+from tierstore.data.tiers.chunk_header import MAGIC
+from tierstore.data.tiers.disk import DiskTier, chunk_records
+from tierstore.data.tiers.slab import HEADER_ROOM
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, ShardId
 
@@ -51,12 +54,19 @@ def _header(**changes: Any) -> dict[str, Any]:
     return header
 
 
-def _file(header: Any, payload: bytes = PAYLOAD.tobytes(), magic: bytes = MAGIC) -> bytes:
-    packed = msgpack.packb(header)
-    return struct.pack(">4sI", magic, len(packed)) + packed + payload
+def _file(header: Any, magic: bytes = MAGIC, packed: bytes | None = None) -> bytes:
+    """A header as the tier writes it, checksum included (its page's zero padding left
+    to ``_page``): what a crafter who knows the format writes."""
+    packed = msgpack.packb(header) if packed is None else packed
+    return struct.pack(">4sIQ", magic, len(packed), digest(packed)) + packed
 
 
 GOOD = _file(_header())
+
+
+def _page(content: bytes) -> bytes:
+    return content[:HEADER_ROOM].ljust(HEADER_ROOM, b"\0")
+
 
 # Any msgpack value, nested.
 _values = st.recursive(
@@ -90,9 +100,9 @@ _BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 
 
 @st.composite
-def crafted_files(draw: st.DrawFn) -> bytes:
-    """A chunk file that must be refused, of one of the shapes an attacker or a crash
-    could leave."""
+def crafted_headers(draw: st.DrawFn) -> bytes:
+    """A header page that must be refused, of one of the shapes an attacker or a crash
+    could leave (a page of zeros is a free slot, not a refusal)."""
     kind = draw(
         st.sampled_from(
             [
@@ -100,111 +110,124 @@ def crafted_files(draw: st.DrawFn) -> bytes:
                 "magic",
                 "truncated",
                 "header_len",
+                "checksum",
                 "field",
                 "missing",
                 "header",
                 "nested",
                 "huge",
                 "other_namespace",
-                "extra",
-                "short_payload",
             ]
         )
     )
     if kind == "bytes":
-        return draw(st.binary(max_size=300).filter(lambda b: b != GOOD))
-    if kind == "magic":
-        return _file(
+        content = draw(st.binary(min_size=1, max_size=300))
+    elif kind == "magic":
+        content = _file(
             _header(), magic=draw(st.binary(min_size=4, max_size=4).filter(lambda m: m != MAGIC))
         )
-    if kind == "truncated":
-        return GOOD[: draw(st.integers(0, len(GOOD) - 1))]
-    if kind == "header_len":  # the prefix claims more header than there is, or than allowed
+    elif kind == "truncated":  # the rest of the page never written
+        content = GOOD[: draw(st.integers(1, len(GOOD) - 1))]
+    elif kind == "header_len":  # the prefix claims more header than there is, or than allowed
         claimed = draw(st.integers(len(GOOD), (1 << 32) - 1))
-        return struct.pack(">4sI", MAGIC, claimed) + GOOD[8:]
-    if kind == "field":
+        content = struct.pack(">4sI", MAGIC, claimed) + GOOD[8:]
+    elif kind == "checksum":  # a header altered (or torn) without its checksum
+        content = bytearray(GOOD)
+        content[draw(st.integers(16, len(GOOD) - 1))] ^= draw(st.integers(1, 255))
+        content = bytes(content)
+    elif kind == "field":  # "length" among them: not this slab file's chunk size
         name = draw(st.sampled_from(sorted(_BAD_FIELDS)))
-        return _file(_header(**{name: draw(_BAD_FIELDS[name])}))
-    if kind == "missing":
+        content = _file(_header(**{name: draw(_BAD_FIELDS[name])}))
+    elif kind == "missing":
         header = _header()
-        del header[draw(st.sampled_from(sorted(set(header) - {"group", "parent"})))]
-        return _file(header)
-    if kind == "header":  # not a map, or a map of anything
-        return _file(
+        del header[draw(st.sampled_from(sorted(header)))]
+        content = _file(header)
+    elif kind == "header":  # not a map, or a map of anything
+        content = _file(
             draw(
                 _values.filter(lambda v: not isinstance(v, dict))
                 | st.dictionaries(st.text(max_size=8), _values)
             )
         )
-    if kind == "nested":  # deeper than msgpack's stack
-        depth = draw(st.integers(1025, 5000))
-        packed = b"\x91" * depth + b"\xc0"
-        return struct.pack(">4sI", MAGIC, len(packed)) + packed + PAYLOAD.tobytes()
-    if kind == "huge":  # a str/bin/array that claims far more bytes than follow
+    elif kind == "nested":  # deeper than msgpack's stack
+        content = _file(None, packed=b"\x91" * draw(st.integers(1025, 2000)) + b"\xc0")
+    elif kind == "huge":  # a str/bin/array that claims far more bytes than follow
         packed = draw(st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf"])) + b"\xff\xff\xff\xf0"
-        return struct.pack(">4sI", MAGIC, len(packed)) + packed + PAYLOAD.tobytes()
-    if kind == "other_namespace":  # a valid chunk of another namespace, under this name
-        return _file(_header(namespace=OTHER_NS))
-    if kind == "extra":  # payload longer than the header says
-        return GOOD + draw(st.binary(min_size=1, max_size=64))
-    return GOOD[: -draw(st.integers(1, PAYLOAD.nbytes))]  # payload shorter
+        content = _file(None, packed=packed)
+    else:  # a valid chunk of another namespace, in this namespace's file
+        content = _file(_header(namespace=OTHER_NS))
+    page = _page(content)
+    assume(page != _page(GOOD) and any(page[:8]))
+    return page
 
 
-def _place(tmp_path: Path, content: bytes) -> tuple[Path, Path]:
-    """A fresh tier directory holding ``content`` under the file name of SHARD."""
+def _place(tmp_path: Path, page: bytes, payload: bytes = PAYLOAD.tobytes()) -> Path:
+    """A fresh tier directory whose one slot holds ``page`` and ``payload``."""
     root = tmp_path / f"tier-{np.random.default_rng().integers(1 << 62):x}"
     tier = DiskTier(root, 1 << 20)
     tier.put(SHARD, StoredShard(ShardMeta(PAYLOAD.nbytes, digest(PAYLOAD), 1, 1), PAYLOAD))
-    path = tier.path_of(SHARD)
-    path.write_bytes(content)
-    return root, path
+    _write_slot(tier, page, payload)
+    tier.close()
+    return root
 
 
-def test_the_well_formed_file_is_recovered(tmp_path: Path) -> None:
-    """The baseline every crafted file departs from: it would be served."""
-    root, _ = _place(tmp_path, GOOD)
+def _write_slot(tier: DiskTier, page: bytes, payload: bytes) -> None:
+    where = tier.location_of(SHARD)
+    with open(where.path, "r+b") as f:
+        f.seek(where.payload_offset - HEADER_ROOM)
+        f.write(page + payload)
+
+
+def test_the_well_formed_slot_is_recovered(tmp_path: Path) -> None:
+    """The baseline every crafted slot departs from: it would be served."""
+    root = _place(tmp_path, _page(GOOD))
     tier = DiskTier(root, 1 << 20)
     assert np.array_equal(tier.get(SHARD).data, PAYLOAD)
-    assert tier.corrupt_files_removed == 0
+    assert tier.corrupt_chunks_removed == 0
 
 
 @_SETTINGS
-@given(content=crafted_files())
-def test_recovery_refuses_counts_and_removes_crafted_files(tmp_path: Path, content: bytes) -> None:
-    root, path = _place(tmp_path, content)
+@given(page=crafted_headers())
+def test_recovery_refuses_counts_and_frees_crafted_headers(tmp_path: Path, page: bytes) -> None:
+    root = _place(tmp_path, page)
     tier = DiskTier(root, 1 << 20)  # the NodeStore's start-up: must not raise
     assert SHARD not in tier and len(tier) == 0 and tier.used_bytes == 0
-    assert tier.corrupt_files_removed == 1
-    assert not path.exists()
+    assert tier.corrupt_chunks_removed == 1
+    assert not list(chunk_records(root))  # cleared: not indexed after the next restart either
     with pytest.raises(ChunkNotFoundError):
         tier.get(SHARD)
 
 
 @_SETTINGS
-@given(content=crafted_files())
-def test_a_file_replaced_after_start_is_never_served(tmp_path: Path, content: bytes) -> None:
-    root, path = _place(tmp_path, GOOD)
+@given(
+    page=crafted_headers() | st.just(_page(GOOD)),
+    payload=st.binary(min_size=PAYLOAD.nbytes, max_size=PAYLOAD.nbytes),
+)
+def test_a_slot_rewritten_after_start_is_never_served(
+    tmp_path: Path, page: bytes, payload: bytes
+) -> None:
+    root = _place(tmp_path, _page(GOOD))
     tier = DiskTier(root, 1 << 20)
-    path.write_bytes(content)  # between the rebuild and the load
+    _write_slot(tier, page, payload)  # between the rebuild and the load
     try:
         served = tier.get(SHARD)
     except ChunkCorruptError:
-        assert SHARD not in tier and not path.exists()
-        assert tier.corrupt_files_removed == 1
+        assert SHARD not in tier and tier.corrupt_chunks_removed == 1
+        assert not list(chunk_records(root))
     else:
         # Only a header change the load does not depend on can pass, and then the bytes
         # served are exactly the ones that were checksummed when the chunk was stored.
-        assert np.array_equal(served.data, PAYLOAD)
+        assert np.array_equal(served.data, PAYLOAD) and payload == PAYLOAD.tobytes()
 
 
 @_SETTINGS
-@given(names=st.lists(st.sampled_from(["a.chunk", "b.chunk", "c.tmp", "d"]), max_size=4))
+@given(names=st.lists(st.sampled_from(["7.slab", "1.slab", "ab", "junk", "00"]), max_size=4))
 def test_a_directory_where_a_file_should_be_does_not_stop_recovery(
     tmp_path: Path, names: list[str]
 ) -> None:
-    root, _ = _place(tmp_path, GOOD)
-    shard_dir = root / NS / "00"
+    root = _place(tmp_path, _page(GOOD))
     for name in names:
-        (shard_dir / name).mkdir(parents=True, exist_ok=True)
+        (root / NS / name / "00").mkdir(parents=True, exist_ok=True)
+        (root / name).mkdir(exist_ok=True)
     tier = DiskTier(root, 1 << 20)
     assert np.array_equal(tier.get(SHARD).data, PAYLOAD)

@@ -126,8 +126,8 @@ def test_loads_beside_stores_demotions_and_drops_get_right_bytes_or_a_miss(
     assert served, "no load found a shard: the test proved nothing"
     stats = core.status()["stats"]
     assert stats["corrupt_before_hit"] == stats["corrupt_after_hit"] == 0
-    assert disk.corrupt_files_removed == 0
-    # The byte counts agree with what the tiers hold, and every disk file is there.
+    assert disk.corrupt_chunks_removed == 0
+    # The byte counts agree with what the tiers hold, and every disk chunk verifies.
     assert core.cpu.used_bytes == sum(m.nbytes for _, m in core.cpu.items())
     assert disk.used_bytes == sum(m.nbytes for _, m in disk.items())
-    assert all(disk.path_of(s).exists() for s, _ in disk.items())
+    assert all(disk.get(s).meta == m for s, m in disk.items())

@@ -72,7 +72,7 @@ class NodeStoreCore(Replicas):
         if self.defer is None:
             self.defer = self.apply
         if self.disk is not None:  # corrupt files found (and removed) while re-indexing
-            self._count(corrupt_before_hit=self.disk.corrupt_files_removed)
+            self._count(corrupt_before_hit=self.disk.corrupt_chunks_removed)
 
     def _count(self, **deltas: int) -> None:
         """Add to stats counters; any thread (loads count from several at once)."""
