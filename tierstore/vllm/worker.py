@@ -184,10 +184,7 @@ class TierStoreWorker(OffloadingWorker):
         except Exception as exc:
             self._store_failed(put.job_id, len(put.plan.chunks), exc)
         finally:
-            # The copy's own time: vLLM's kv_offload bandwidth is the copy's, not Ray's.
-            put.done.set_result(
-                TransferResult(put.job_id, True, put.plan.nbytes, put.gathered.copy_seconds)
-            )
+            put.done.set_result(_copied(put))
 
     def _queue_store(self, item: Commit | ObjectPut) -> None:
         """Any thread; never blocks. Every queued job ends done, sent or not."""
@@ -198,7 +195,7 @@ class TierStoreWorker(OffloadingWorker):
             if isinstance(item, Commit):
                 self._end_commits([item])
             else:
-                item.done.set_result(TransferResult(item.job_id, True))
+                item.done.set_result(_copied(item))
 
     def _send_stores(self, batch: list[Commit | ObjectPut]) -> None:
         """Store stream thread: the queued stores in the order they were submitted, so
@@ -386,10 +383,12 @@ class TierStoreWorker(OffloadingWorker):
         self.arena.close()
 
 
-def _copied(commit: Commit) -> TransferResult:
-    """A store job's result once its bytes are in its extents: the copy's own time (vLLM's
-    kv_offload bandwidth is the copy's, not Ray's)."""
-    return TransferResult(commit.job_id, True, commit.plan.nbytes, commit.gathered.copy_seconds)
+def _copied(job: Commit | ObjectPut) -> TransferResult:
+    """A store job's result once its bytes were copied out of its blocks (into extents,
+    or a buffer for the object store): the copy's own time, as vLLM's kv_offload
+    bandwidth is the copy's, not Ray's. Success whether or not the store landed: a
+    failed one is counted, and its blocks were free to reuse all the same."""
+    return TransferResult(job.job_id, True, job.plan.nbytes, job.gathered.copy_seconds)
 
 
 def _done(result: TransferResult) -> Future[TransferResult]:
