@@ -228,3 +228,17 @@ def test_a_read_racing_the_reuse_of_its_slot_never_returns_the_new_shards_bytes(
         tier.get(_id(1))
     assert tier.corrupt_chunks_removed == 0
     assert np.array_equal(tier.get(_id(2)).data, _shard(1000, 2).data)
+
+
+def test_a_nodes_folder_inside_another_tier_is_its_own(tmp_path: Path) -> None:
+    """Simulated nodes on one machine nest their tiers (``disk_path/node-<id>``): each
+    tier recovers only its own chunks, and the operators' listing finds both."""
+    outer = DiskTier(tmp_path, 10_000)
+    inner = DiskTier(tmp_path / "node-ab12", 10_000)
+    outer.put(_id(1), _shard(64, 1))
+    inner.put(_id(2), _shard(64, 2))
+    assert list(dict(DiskTier(tmp_path, 10_000).items())) == [_id(1)]
+    assert list(dict(DiskTier(tmp_path / "node-ab12", 10_000).items())) == [_id(2)]
+    keys = sorted(bytes(r.header["key"]) for r in chunk_records(tmp_path))
+    assert keys == sorted(bytes(i.key) for i in (_id(1), _id(2)))
+    assert all(r.payload_ok() for r in chunk_records(tmp_path))
