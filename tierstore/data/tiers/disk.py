@@ -20,12 +20,13 @@ page per chunk and the page padding of each payload aside).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 from typing_extensions import override
@@ -340,10 +341,14 @@ class ChunkRecord:
 
 def read_record(location: ChunkLocation) -> ChunkRecord | None:
     """The record whose payload is at ``location``, or None if its header does not decode."""
+    with open(location.path, "rb") as f:
+        return _record_at(f, location)
+
+
+def _record_at(f: BinaryIO, location: ChunkLocation) -> ChunkRecord | None:
+    f.seek(location.payload_offset - HEADER_ROOM)
     try:
-        with open(location.path, "rb") as f:
-            f.seek(location.payload_offset - HEADER_ROOM)
-            return ChunkRecord(location, decode_header(f.read(HEADER_ROOM)))
+        return ChunkRecord(location, decode_header(f.read(HEADER_ROOM)))
     except UNREADABLE:
         return None
 
@@ -357,7 +362,9 @@ def chunk_records(root: Path) -> Iterator[ChunkRecord]:
         if nbytes is None or not path.is_file():
             continue
         slot_bytes = slot_bytes_for(nbytes)
-        for slot in range(path.stat().st_size // slot_bytes):
-            record = read_record(ChunkLocation(path, slot * slot_bytes + HEADER_ROOM, nbytes))
-            if record is not None:
-                yield record
+        with open(path, "rb") as f:  # one open per file, not per slot
+            for slot in range(os.fstat(f.fileno()).st_size // slot_bytes):
+                where = ChunkLocation(path, slot * slot_bytes + HEADER_ROOM, nbytes)
+                record = _record_at(f, where)
+                if record is not None:
+                    yield record
