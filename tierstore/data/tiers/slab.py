@@ -36,8 +36,8 @@ PAGE = 4096
 HEADER_ROOM = PAGE  # a chunk's header, zero padded
 SUFFIX = ".slab"
 _FILE_MODE = 0o600
-_CLEARED = bytes(8)
-_ZEROS = memoryview(bytes(PAGE))  # over a header's magic and length: the slot reads as free
+_CLEARED = bytes(8)  # over a header's magic and length: the slot reads as free
+_ZEROS = memoryview(bytes(PAGE))  # a payload's padding to whole pages
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 
