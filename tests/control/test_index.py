@@ -256,6 +256,17 @@ def test_an_engine_that_goes_away_frees_its_leases_at_once() -> None:
     assert index.admit(A, [offer(1)], now=1).actions[A].drop == [sid(0)]
 
 
+def test_a_lease_asked_again_with_a_shorter_ttl_frees_its_chunk_at_the_new_expiry() -> None:
+    """Found by the reference test: the unit was parked until the first lease's end."""
+    index = ChunkIndex()
+    index.register_node(A, 100)
+    index.admit(A, [offer(0)], now=0)
+    hit(index, 0, ttl=100)
+    assert index.admit(A, [offer(1)], now=0).accepted == [False]  # 0 leased: parked
+    hit(index, 0, ttl=5)  # the same holder asks again: its lease now ends at 5
+    assert index.admit(A, [offer(1)], now=6).actions[A].drop == [sid(0)]
+
+
 def test_a_promoted_chunk_is_evictable_once_its_promotion_is_reported() -> None:
     index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
     index.register_node(A, 100, 1000)

@@ -148,7 +148,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 accepted[i] = True
                 if grace_s > 0:
                     cid = ChunkId(offer.namespace, offer.key)
-                    self._leases[cid][_RESTORE_GRACE_HOLDER] = now + grace_s
+                    self._lease(cid, _RESTORE_GRACE_HOLDER, now + grace_s)
             elif shard is not None and shard.node == node and shard.disk:
                 actions[node].demote.append(shard_id)  # keep the disk copy, free memory
             elif shard is not None and shard.node == node:
@@ -262,7 +262,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 answers.append(LookupAnswer(LookupState.MISS))
                 continue
             uid = UnitId(namespace, boundary_of(key))
-            self._leases[cid][holder] = now + lease_ttl_s
+            self._lease(cid, holder, now + lease_ttl_s)
             self._touch(uid)
             answers.append(self._answer(uid, chunk, node, protected, now, actions))
         return answers, dict(actions)

@@ -27,7 +27,18 @@ class LeasesMixin(IndexState):
         for key in keys:
             cid = ChunkId(namespace, key)
             if cid in self._chunks:
-                self._leases[cid][holder] = now + ttl_s
+                self._lease(cid, holder, now + ttl_s)
+
+    def _lease(self, cid: ChunkId, holder: str, until: float) -> None:
+        """Lease ``cid`` to ``holder`` until ``until``. A lease made shorter (asked again
+        with a shorter TTL) must wake its parked unit sooner: its wake-up was set by the
+        old expiry, and the unit would stay out of every heap, unevictable, until then."""
+        holders = self._leases[cid]
+        before = holders.get(holder)
+        holders[holder] = until
+        uid = UnitId(cid.namespace, boundary_of(cid.key))
+        if before is not None and until < before and uid in self._parked:
+            heapq.heappush(self._wakeups, (max(holders.values()), next(self._tie), uid))
 
     def release(self, namespace: Namespace, keys: list[ChunkKey], holder: str) -> None:
         for key in keys:
