@@ -174,26 +174,51 @@ def test_every_group_at_a_boundary_goes_together() -> None:
     assert sorted(result.actions[A].drop) == sorted([sid(0, group=0), sid(0, group=1)])
 
 
-def test_disk_chunk_is_promoted_before_it_is_a_hit() -> None:
+def test_a_disk_chunk_written_since_start_up_is_a_hit_at_once_and_promoted_meanwhile() -> None:
     index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
     index.register_node(A, 100, 1000)
     index.admit(A, [offer(0)], now=0)
     index.admit(A, [offer(1)], now=0)  # demotes 0 (its written-through copy stays)
     answer, actions = hit(index, 0)
-    assert answer.state is LookupState.PENDING
+    assert (answer.state, answer.tier, answer.where) == (LookupState.HIT, DISK, {0: A})
     assert actions[A].promote == [sid(0)] and actions[A].demote == [sid(1)]
+    # Promotion under way: still a HIT whose bytes may come from disk; nothing sent twice.
+    answer, actions = hit(index, 0)
+    assert (answer.state, answer.tier) == (LookupState.HIT, DISK) and not actions
+    index.promoted(A, [sid(0)], [])
+    answer, _ = hit(index, 0)
+    assert (answer.state, answer.tier) == (LookupState.HIT, CPU)
+    assert index.stats.promoted_shards == 1 and index.stats.disk_hits == 2
+
+
+def test_a_disk_chunk_found_at_start_up_is_verified_by_its_promotion_before_a_hit() -> None:
+    """A file may have been damaged while the node was down: until a read has checked it,
+    its chunk is PENDING, so a corrupt one is a clean miss rather than a failed load."""
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 300, 10_000)
+    index.restore(A, [(offer(0), DISK), (offer(1), DISK)])
+    answer, actions = hit(index, 0)
+    assert answer.state is LookupState.PENDING and actions[A].promote == [sid(0)]
     assert hit(index, 0)[0].state is LookupState.PENDING
     index.promoted(A, [sid(0)], [])
     answer, _ = hit(index, 0)
-    assert answer.state is LookupState.HIT and index.stats.promoted_shards == 1
+    assert (answer.state, answer.tier) == (LookupState.HIT, CPU)
+    # Verified on its way to memory: demoted again, its disk copy is a HIT at once.
+    index.release(NS, [key(0)], "h")
+    for i in (2, 3, 4):  # the third demotes 0, the least recently used
+        assert index.admit(A, [offer(i)], now=0).accepted == [True]
+    assert (sid(0), CPU) not in index.shards_on(A)
+    answer, _ = hit(index, 0)
+    assert (answer.state, answer.tier) == (LookupState.HIT, DISK)
+    # The other restored chunk, never read: still verified first.
+    assert hit(index, 1)[0].state is LookupState.PENDING
 
 
 def test_corrupt_promotion_becomes_a_miss_and_is_counted() -> None:
-    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index = ChunkIndex()
     index.register_node(A, 100, 1000)
-    index.admit(A, [offer(0)], now=0)
-    index.admit(A, [offer(1)], now=0)
-    hit(index, 0)
+    index.restore(A, [(offer(0), DISK)])
+    assert hit(index, 0)[0].state is LookupState.PENDING
     index.promoted(A, [], [sid(0)])
     assert hit(index, 0)[0].state is LookupState.MISS
     assert index.stats.corrupt_before_hit == 1
@@ -272,7 +297,7 @@ def test_a_promoted_chunk_is_evictable_once_its_promotion_is_reported() -> None:
     index.register_node(A, 100, 1000)
     index.admit(A, [offer(0)], now=0)
     index.admit(A, [offer(1)], now=0)  # demotes 0
-    assert hit(index, 0)[0].state is LookupState.PENDING
+    assert hit(index, 0)[1][A].promote == [sid(0)]
     index.release(NS, [key(0)], "h")
     assert index.admit(A, [offer(2)], now=0).accepted == [False]  # 0 is still being promoted
     index.promoted(A, [sid(0)], [])

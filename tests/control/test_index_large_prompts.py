@@ -84,16 +84,16 @@ def test_every_chunk_of_the_prompt_hits_and_stays_leased_until_released() -> Non
     assert index.admit(A, other, now=2).accepted == [True, True]
 
 
-def test_with_cpu_room_a_disk_chunk_is_still_promoted_first() -> None:
+def test_with_cpu_room_a_disk_chunk_is_promoted_for_the_next_hits() -> None:
     index = stored_index()
     index.register_node(A, 100 * CHUNK, 100 * CHUNK)  # the CPU tier grew: room to promote
     (answer,), actions = index.lookup(NS, [key(0)], "h", 0, 30)
-    assert answer.state is LookupState.PENDING
+    assert (answer.state, answer.tier) == (LookupState.HIT, DISK)
     assert actions[A].promote == [ShardId(NS, key(0), 0)]
     index.promoted(A, [ShardId(NS, key(0), 0)], [])
     (answer,), _ = index.lookup(NS, [key(0)], "h", 0, 30)
     assert answer.state is LookupState.HIT and answer.tier is CPU
-    assert index.stats.disk_hits == 0
+    assert index.stats.disk_hits == 1
 
 
 def test_the_node_store_keeps_the_whole_prompt_and_loads_it_from_disk(tmp_path: Path) -> None:

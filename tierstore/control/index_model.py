@@ -43,14 +43,14 @@ class ShardOffer(NamedTuple):
 class LookupState(str, Enum):
     HIT = "hit"
     MISS = "miss"
-    PENDING = "pending"  # present, being promoted from disk: ask again shortly
+    PENDING = "pending"  # present, being verified by its promotion from disk: ask again
 
 
 class LookupAnswer(NamedTuple):
     state: LookupState
     where: dict[int, NodeId] | None = None  # rank -> node, for a HIT
-    # Where a HIT's bytes are read from: DISK when any rank is loaded from its disk copy
-    # (no CPU room to promote it first). None unless a HIT.
+    # Where a HIT's bytes are read from: DISK when any rank may be loaded from its disk
+    # copy (not in memory, or its promotion still under way). None unless a HIT.
     tier: TierName | None = None
 
 
@@ -82,6 +82,10 @@ class Shard:
     cpu: bool = False  # a copy in the CPU tier (or one being promoted into it)
     disk: bool = False  # a copy in the disk tier (or one being written to it)
     promoting: bool = False
+    # The disk copy was found at start-up and no read has verified it since: it is
+    # promoted (and so verified) before it is a HIT, so a corrupt file is a clean miss.
+    # A copy written by the running NodeStore is a HIT at once, read from disk.
+    disk_unverified: bool = False
 
     def has(self, tier: TierName) -> bool:
         return self.cpu if tier is TierName.CPU else self.disk
@@ -150,7 +154,7 @@ class IndexStats:
     evicted_chunks: int = 0  # dropped for room (from any tier)
     demoted_shards: int = 0
     promoted_shards: int = 0
-    disk_hits: int = 0  # HITs loaded straight from disk: no CPU room to promote them
+    disk_hits: int = 0  # HITs whose bytes may be read from disk (not promoted yet)
     skipped_stores: int = 0
     replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore

@@ -93,6 +93,8 @@ class TreeMixin(IndexState):
         if shard.has(tier):
             return
         shard.set(tier, True)
+        if tier is TierName.DISK:
+            shard.disk_unverified = False  # written now; ``restore`` marks what it found
         self._account(shard.node, tier, shard.nbytes, +1)
         if tier is TierName.CPU:
             unit.cpu_copies += 1
