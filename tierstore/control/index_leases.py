@@ -36,9 +36,10 @@ class LeasesMixin(IndexState):
         holders = self._leases[cid]
         before = holders.get(holder)
         holders[holder] = until
-        uid = UnitId(cid.namespace, boundary_of(cid.key))
-        if before is not None and until < before and uid in self._parked:
-            heapq.heappush(self._wakeups, (max(holders.values()), next(self._tie), uid))
+        if before is not None and until < before:  # rare: leave the hot path at once
+            uid = UnitId(cid.namespace, boundary_of(cid.key))
+            if uid in self._parked:
+                heapq.heappush(self._wakeups, (max(holders.values()), next(self._tie), uid))
 
     def release(self, namespace: Namespace, keys: list[ChunkKey], holder: str) -> None:
         for key in keys:
