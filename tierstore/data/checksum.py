@@ -3,10 +3,9 @@
 Large buffers are hashed through ctypes, which releases the GIL for the call: the
 ``xxhash`` binding holds it for the whole hash (0.75 ms per 16 MiB here), which stalls
 every other Python thread of the process meanwhile: the model runner beside a commit
-thread's hash, for one. The C
-function is the binding's own ``XXH3_64bits`` (its extension module exports it), checked
-at import against the binding on a test buffer; where it is not there or disagrees, the
-binding serves every size.
+thread's hash, for one. The C function is the binding's own ``XXH3_64bits`` (its
+extension module exports it), checked at import against the binding on a test buffer;
+where it is not there or disagrees, the binding serves every size.
 """
 
 from __future__ import annotations
