@@ -148,7 +148,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 accepted[i] = True
             elif shard is None and fits:
                 _, shard = self._add_shard(node, offer, tier)
-                shard.disk_unverified = tier is TierName.DISK
+                shard.disk_unverified |= tier is TierName.DISK
                 accepted[i] = True
                 if grace_s > 0:
                     cid = ChunkId(offer.namespace, offer.key)
