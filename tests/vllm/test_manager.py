@@ -50,9 +50,15 @@ def _evictor_holding(cfg: TierStoreConfig, *keys: ChunkKey) -> tuple[EvictorClie
 
 
 def _settle(manager: TierStoreManager, key: ChunkKey, ctx: ReqContext) -> LookupResult:
+    """Ask ``key`` every 5 ms until it is no longer RETRY, ending a scheduler step after
+    each ask as vLLM does: a re-ask queued by a late answer is sent with the next step."""
+
     def resolved() -> LookupResult | None:
         result = manager.lookup(key, ctx)
-        return result if result is not LookupResult.RETRY else None
+        if result is LookupResult.RETRY:
+            manager.on_schedule_end(END)
+            return None
+        return result
 
     return wait_for(resolved, "the lookup resolved", 10, poll_s=0.005)
 
