@@ -172,13 +172,7 @@ def test_a_key_just_stored_is_asked_again_until_its_commit_is_indexed(
     manager.on_new_request(reader)
     assert manager.lookup(_key(3), reader) is LookupResult.RETRY
     manager.on_schedule_end(END)
-
-    def settled() -> LookupResult | None:
-        manager.on_schedule_end(END)
-        result = manager.lookup(_key(3), reader)
-        return result if result is not LookupResult.RETRY else None
-
-    assert wait_for(settled, "the lookup deadline", 10, poll_s=0.01) is LookupResult.MISS
+    assert _settle(manager, _key(3), reader) is LookupResult.MISS
     manager.shutdown()
 
 
