@@ -78,8 +78,10 @@ class EvictorClient:
             "lookup", namespace, keys, holder, lease_ttl_s, node_id, convert=answers_of
         )
 
-    def promoted(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> Pending[None]:
-        return self._call("promoted", node_id, done, failed)
+    def promoted(
+        self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> Pending[None]:
+        return self._call("promoted", node_id, done, failed, refused)
 
     def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> Pending[None]:
         return self._call("forget_shards", node_id, shard_ids)

@@ -185,9 +185,12 @@ class Evictor:
         self._send(actions)
         return answers
 
-    def promoted(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> None:
+    def promoted(
+        self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> None:
         self._events.record(NodeId(node_id), TierName.CPU, False, _ids(done))
-        self._send(self._index.promoted(NodeId(node_id), _ids(done), _ids(failed)))
+        node = NodeId(node_id)
+        self._send(self._index.promoted(node, _ids(done), _ids(failed), _ids(refused)))
 
     def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> None:
         self._record_removed(NodeId(node_id), _ids(shard_ids))

@@ -104,8 +104,10 @@ class RayEvictorPort:
     ) -> tuple[list[bool], NodeActions]:
         return self._evictor.restore(node_id, held, grace).result(_RESTORE_TIMEOUT_S)
 
-    def promoted(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
-        self._evictor.promoted(node_id, done, failed)
+    def promoted(
+        self, node_id: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> None:
+        self._evictor.promoted(node_id, done, failed, refused)
 
     def forget_shards(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
         self._evictor.forget_shards(node_id, shard_ids)

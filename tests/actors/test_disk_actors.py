@@ -13,10 +13,12 @@ from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor, s
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
+from tests.actors.test_arena_actor import _node_store
 from tests.support import flip_bit, overwrite, poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
+from tierstore.data.arena.holders import HolderLock
 from tierstore.data.tiers.disk import chunk_records
 from tierstore.vllm.transfer_specs import StoreSpec
 
@@ -117,3 +119,47 @@ def test_flipped_and_torn_chunks_become_misses_and_are_counted(
     assert ray.get(evictor.status.remote())["chunks"] == 8
     on_disk = [bytes(r.header["key"]) for r in chunk_records(Path(disk_cfg.disk_path))]
     assert len(on_disk) == 8 and not {bytes(k) for k in keys[:2]} & set(on_disk)
+
+
+def test_a_promotion_with_no_free_extent_keeps_the_disk_copy_and_loads_from_disk(
+    disk_cfg: TierStoreConfig,
+) -> None:
+    """Extents granted to workers are room the Evictor does not see: the NodeStore refuses
+    the promotion it asked for, and the chunk stays on disk, a HIT loaded from there."""
+    # Demoted down to half the CPU tier: the Evictor sees room for a promotion.
+    cfg = dataclasses.replace(disk_cfg, cpu_high_watermark=0.5, cpu_low_watermark=0.5)
+    kv = _kv()
+    original = kv[0].clone()
+    worker = _worker(cfg, kv)
+    keys = _store_chunks(worker, 10)
+    _wait_status(cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 10)
+    store = _node_store(cfg)
+    region, _ = store.arena_info().result()
+    hog = HolderLock(region.path)  # another worker's pool takes every free extent
+    for _ in range(100):
+        _, offsets = store.arena_grant(hog.holder, region.epoch, [CHUNK] * 16).result()
+        if None in offsets:
+            break
+    assert store.status().result()["arena"]["arena_free_bytes"] < CHUNK
+
+    spec = _load_spec(cfg, keys[:1])  # the oldest: on disk only, a HIT at once
+    status = _wait_status(cfg, lambda s: s["totals"]["refused_promotions"] >= 1)
+    assert status["totals"]["refused_promotions"] >= 1
+    assert status["nodes"][0]["stats"]["refused_promotions"] >= 1
+    assert status["totals"]["corrupt_before_hit"] == 0
+    assert status["nodes"][0]["disk"]["chunks"] == 10  # nothing dropped
+    kv[0].zero_()
+    worker.submit_load(
+        1, spec, GPULoadStoreSpec([30, 31], group_sizes=[2, 0], block_indices=[0, 0])
+    )
+    assert _drain(worker, 1) == [1]
+    assert torch.equal(kv[0][30:32, :96], original[1:3, :96])
+    assert _lookup(cfg, keys[:1]) == [LookupState.HIT]  # still indexed
+
+    hog.close()  # the hog's grants come back at the next grant; then it is promoted
+    sweeper = HolderLock(region.path)
+    store.arena_grant(sweeper.holder, region.epoch, []).result()
+    sweeper.close()
+    _load_spec(cfg, keys[:1])
+    totals = _wait_status(cfg, lambda s: s["totals"]["promoted_shards"] >= 1)["totals"]
+    assert totals["promoted_shards"] >= 1

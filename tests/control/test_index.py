@@ -185,7 +185,7 @@ def test_a_disk_chunk_written_since_start_up_is_a_hit_at_once_and_promoted_meanw
     # Promotion under way: still a HIT whose bytes may come from disk; nothing sent twice.
     answer, actions = hit(index, 0)
     assert (answer.state, answer.tier) == (LookupState.HIT, DISK) and not actions
-    index.promoted(A, [sid(0)], [])
+    index.promoted(A, [sid(0)], [], [])
     answer, _ = hit(index, 0)
     assert (answer.state, answer.tier) == (LookupState.HIT, CPU)
     assert index.stats.promoted_shards == 1 and index.stats.disk_hits == 2
@@ -200,7 +200,7 @@ def test_a_disk_chunk_found_at_start_up_is_verified_by_its_promotion_before_a_hi
     answer, actions = hit(index, 0)
     assert answer.state is LookupState.PENDING and actions[A].promote == [sid(0)]
     assert hit(index, 0)[0].state is LookupState.PENDING
-    index.promoted(A, [sid(0)], [])
+    index.promoted(A, [sid(0)], [], [])
     answer, _ = hit(index, 0)
     assert (answer.state, answer.tier) == (LookupState.HIT, CPU)
     # Verified on its way to memory: demoted again, its disk copy is a HIT at once.
@@ -219,10 +219,36 @@ def test_corrupt_promotion_becomes_a_miss_and_is_counted() -> None:
     index.register_node(A, 100, 1000)
     index.restore(A, [(offer(0), DISK)])
     assert hit(index, 0)[0].state is LookupState.PENDING
-    index.promoted(A, [], [sid(0)])
+    index.promoted(A, [], [sid(0)], [])
     assert hit(index, 0)[0].state is LookupState.MISS
     assert index.stats.corrupt_before_hit == 1
     assert sid(0) not in {s for s, _ in index.shards_on(A)}
+
+
+def test_a_promotion_the_node_refuses_keeps_its_disk_copy_as_a_disk_hit() -> None:
+    """The node's CPU tier may have no extent free where the index sees room (extents
+    granted to workers, a fragmented arena): the chunk stays on disk, loadable."""
+    index = ChunkIndex(watermarks=Watermarks(1.0, 1.0))
+    index.register_node(A, 100, 1000)
+    index.admit(A, [offer(0)], now=0)
+    index.admit(A, [offer(1)], now=0)  # demotes 0
+    answer, actions = hit(index, 0)
+    assert actions[A].promote == [sid(0)] and actions[A].demote == [sid(1)]
+    assert not index.promoted(A, [], [], [sid(0)])  # nothing dropped
+    assert index.shards_on(A) == {(sid(0), DISK), (sid(1), DISK)}
+    assert index.nodes()[A][CPU][0] == 0  # the room it was given is free again
+    assert index.stats.refused_promotions == 1 and index.stats.corrupt_before_hit == 0
+    answer, actions = hit(index, 0)  # still a HIT from disk; promotion asked again
+    assert (answer.state, answer.tier) == (LookupState.HIT, DISK)
+    assert actions[A].promote == [sid(0)]
+    index.promoted(A, [sid(0)], [], [])
+    assert (sid(0), CPU) in index.shards_on(A)
+    # A restored copy refused stays unverified (PENDING), never dropped.
+    index.release(NS, [key(0)], "h")  # so that 7 can have 0's room
+    index.restore(A, [(offer(7), DISK)])
+    assert hit(index, 7)[1][A].promote == [sid(7)]
+    index.promoted(A, [], [], [sid(7)])
+    assert hit(index, 7)[0].state is LookupState.PENDING
 
 
 def test_restore_reindexes_what_a_node_held() -> None:
@@ -300,7 +326,7 @@ def test_a_promoted_chunk_is_evictable_once_its_promotion_is_reported() -> None:
     assert hit(index, 0)[1][A].promote == [sid(0)]
     index.release(NS, [key(0)], "h")
     assert index.admit(A, [offer(2)], now=0).accepted == [False]  # 0 is still being promoted
-    index.promoted(A, [sid(0)], [])
+    index.promoted(A, [sid(0)], [], [])
     assert index.admit(A, [offer(2)], now=0).actions[A].demote == [sid(0)]
 
 

@@ -90,7 +90,7 @@ def test_with_cpu_room_a_disk_chunk_is_promoted_for_the_next_hits() -> None:
     (answer,), actions = index.lookup(NS, [key(0)], "h", 0, 30)
     assert (answer.state, answer.tier) == (LookupState.HIT, DISK)
     assert actions[A].promote == [ShardId(NS, key(0), 0)]
-    index.promoted(A, [ShardId(NS, key(0), 0)], [])
+    index.promoted(A, [ShardId(NS, key(0), 0)], [], [])
     (answer,), _ = index.lookup(NS, [key(0)], "h", 0, 30)
     assert answer.state is LookupState.HIT and answer.tier is CPU
     assert index.stats.disk_hits == 1

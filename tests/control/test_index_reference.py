@@ -76,7 +76,8 @@ ops = st.lists(
         st.tuples(st.just("release"), boundaries, st.integers(0, 2), st.just(0)),
         st.tuples(st.just("release_holder"), st.just(0), st.integers(0, 2), st.just(0)),
         st.tuples(st.just("extend"), boundaries, st.integers(0, 2), st.integers(1, 30)),
-        st.tuples(st.just("promoted"), st.booleans(), st.integers(0, 2), st.just(0)),
+        # a: every promotion under way on node b is done (0), failed (1) or refused (2)
+        st.tuples(st.just("promoted"), st.integers(0, 2), st.integers(0, 2), st.just(0)),
         st.tuples(st.just("corrupt"), boundaries, st.just(0), st.just(0)),
         st.tuples(st.just("forget_node"), st.just(0), st.integers(0, 2), st.just(0)),
         st.tuples(st.just("restore"), boundaries, st.integers(0, 2), st.integers(10, 90)),
@@ -151,9 +152,9 @@ def test_heaps_choose_what_a_full_walk_chooses(ops, policy, groups, disk_bytes) 
             pair.call("extend_leases", NS, keys, f"h{b}", now, float(c))
         elif op == "promoted":
             node = NODES[b]
-            done, failed = ([], promoting[node]) if a else (promoting[node], [])
-            promoting[node] = []
-            pair.call("promoted", node, done, failed)
+            outcomes: list[list[ShardId]] = [[], [], []]
+            outcomes[a], promoting[node] = promoting[node], []
+            pair.call("promoted", node, *outcomes)
         elif op == "corrupt":
             pair.call("forget_shards", [ShardId(NS, k, 0) for k in keys])
         elif op == "forget_node":

@@ -38,7 +38,9 @@ class AdmitAll:
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
         return [True] * len(held), NodeActions()
 
-    def promoted(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
+    def promoted(
+        self, node_id: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> None:
         pass
 
     def forget_shards(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:

@@ -320,8 +320,12 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
             actions[shard.node].promote.append(ShardId(uid.namespace, chunk.key, rank))
         return True
 
-    def promoted(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> Actions:
-        """A node reports its promotions; a failed one (corrupt, missing) drops the unit."""
+    def promoted(
+        self, node: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> Actions:
+        """A node reports its promotions. A failed one (corrupt, missing) drops the unit;
+        one its CPU tier ``refused`` (no extent free: room the index does not see, such as
+        extents granted to workers) keeps its disk copy and is read from disk meanwhile."""
         for shard_id in done:
             shard = self._shard(shard_id.namespace, shard_id.key, shard_id.rank)
             if shard is not None:
@@ -329,6 +333,15 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 shard.disk_unverified = False  # read and checked on its way to memory
                 self.stats.promoted_shards += 1
                 self._unpark(UnitId(shard_id.namespace, boundary_of(shard_id.key)))
+        for shard_id in refused:
+            shard = self._shard(shard_id.namespace, shard_id.key, shard_id.rank)
+            if shard is None or not shard.promoting:
+                continue
+            uid = UnitId(shard_id.namespace, boundary_of(shard_id.key))
+            shard.promoting = False
+            self._lose(uid, self._units[uid], shard, TierName.CPU)
+            self.stats.refused_promotions += 1
+            self._unpark(uid)
         self.stats.corrupt_before_hit += len(failed)
         return self.forget_shards(failed)
 

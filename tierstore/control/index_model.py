@@ -155,6 +155,7 @@ class IndexStats:
     demoted_shards: int = 0
     promoted_shards: int = 0
     disk_hits: int = 0  # HITs whose bytes may be read from disk (not promoted yet)
+    refused_promotions: int = 0  # the node had no extent free: stayed on disk
     skipped_stores: int = 0
     replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore

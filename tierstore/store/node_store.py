@@ -23,6 +23,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -42,6 +43,14 @@ __all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardE
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Promotion(Enum):
+    """What became of a promotion, as reported to the Evictor (in this order)."""
+
+    DONE = "done"
+    FAILED = "failed"  # missing or corrupt: the unit is dropped
+    REFUSED = "refused"  # no extent free: the disk copy stays, read from there
 
 
 class ShardEntry(NamedTuple):
@@ -194,14 +203,15 @@ class NodeStoreCore(Replicas):
         Control thread; disk writes and reads happen here, outside every lock."""
         self.drop(actions.drop)
         lost = [s for s in map(shard_id_of, actions.demote) if not self._demote(s)]
-        done, failed = [], []
+        outcomes: dict[Promotion, list[ShardId]] = {p: [] for p in Promotion}
         for shard_id in map(shard_id_of, actions.promote):
-            (done if self._promote(shard_id) else failed).append(shard_id)
+            outcomes[self._promote(shard_id)].append(shard_id)
         lost += [s for s in map(shard_id_of, actions.persist) if not self._persist(s)]
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
-        if done or failed:
-            self.evictor.promoted(self.node_id, done, failed)
+        if any(outcomes.values()):
+            done, failed, refused = (outcomes[p] for p in Promotion)
+            self.evictor.promoted(self.node_id, done, failed, refused)
         self._push(actions.push)
 
     def drop(self, shard_ids: list[ShardId]) -> int:
@@ -244,18 +254,19 @@ class NodeStoreCore(Replicas):
         self.drop([shard_id])  # the index expected a disk copy: keep the two in step
         return False
 
-    def _promote(self, shard_id: ShardId) -> bool:
-        """Disk -> CPU, verified: a corrupt or truncated file becomes a miss, never a HIT."""
+    def _promote(self, shard_id: ShardId) -> Promotion:
+        """Disk -> CPU, verified: a corrupt or truncated file becomes a miss, never a HIT;
+        one the CPU tier has no extent for stays on disk, and is read from there."""
         if shard_id in self.cpu:
-            return True
+            return Promotion.DONE
         if self.disk is None:
-            return False
+            return Promotion.FAILED
         disk = self.disk
         try:  # read straight into the CPU tier's extent, verified there; the disk copy
             # stays, so a later demotion is free
             self.cpu.fill(shard_id, disk.meta(shard_id), lambda out: disk.read_into(shard_id, out))
         except ChunkNotFoundError:
-            return False
+            return Promotion.FAILED
         except ChunkCorruptError:
             logger.warning(
                 "corrupt chunk file for %s removed; it will be recomputed",
@@ -263,12 +274,13 @@ class NodeStoreCore(Replicas):
                 exc_info=True,
             )
             self._count(corrupt_before_hit=1)
-            return False
-        except TierFullError:
-            logger.warning("no CPU room to promote %s", shard_id.key.hex(), exc_info=True)
-            return False
+            return Promotion.FAILED
+        except TierFullError as exc:
+            logger.info("%s stays on disk: %s", shard_id.key.hex(), exc)
+            self._count(refused_promotions=1)
+            return Promotion.REFUSED
         self._count(promoted_shards=1)
-        return True
+        return Promotion.DONE
 
     # ---- loads -------------------------------------------------------------------------
     def load(

@@ -19,6 +19,7 @@ class NodeStoreStats:
     dropped_shards: int = 0
     demoted_shards: int = 0
     promoted_shards: int = 0
+    refused_promotions: int = 0  # no extent free: the shard stayed on disk
     replicas_sent: int = 0  # shards pushed to nodes that kept loading them
     replicas_received: int = 0
     failed_demotions: int = 0
