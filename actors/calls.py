@@ -131,7 +131,7 @@ def answers_of(values: Iterable[Any]) -> list[LookupAnswer]:
 
 
 def event_batch_of(value: Any) -> EventBatch:
-    next_seq, lost, events = value
+    next_seq, lost, events, epoch = value
     return EventBatch(
         next_seq,
         lost,
@@ -146,6 +146,7 @@ def event_batch_of(value: Any) -> EventBatch:
             )
             for seq, ns, node, tier, removed, keys in events
         ],
+        str(epoch),
     )
 
 

@@ -124,6 +124,9 @@ class EvictorClient:
     def events_since(self, after: int, namespace: Namespace) -> Pending[EventBatch]:
         return self._call("events_since", after, namespace, convert=event_batch_of)
 
+    def presence(self, namespace: Namespace) -> Pending[EventBatch]:
+        return self._call("presence", namespace, convert=event_batch_of)
+
     def index_view(self, node_id: str) -> Pending[set[tuple[ShardId, TierName]]]:
         return self._call("index_view", node_id)
 

@@ -246,6 +246,12 @@ class Evictor:
         """Residency changes of ``namespace`` (KV-cache events), oldest first."""
         return self._events.since(after, namespace)
 
+    def presence(self, namespace: Namespace) -> EventBatch:
+        """Every copy of ``namespace``'s chunks held now, as events, and the log position
+        that follows them: where a reader's picture of the cluster starts."""
+        held = {node: self._index.shards_on(node) for node in self._index.nodes()}
+        return self._events.snapshot(namespace, held)
+
     def index_view(self, node_id: str) -> set[tuple[ShardId, TierName]]:
         """What the index believes ``node_id`` holds (tests compare it with the node)."""
         return self._index.shards_on(NodeId(node_id))

@@ -99,6 +99,10 @@ class TierStoreConfig:
     # as a miss. The Evictor answers in 1-2 scheduler steps when healthy (tens of ms);
     # this bounds what a slow or restarting Evictor costs a request.
     lookup_timeout_ms: float = 200.0
+    # Milliseconds a scheduler's picture of which chunks the cluster holds may be old and
+    # still answer a lookup MISS without asking the Evictor (refreshed twice as often).
+    # A chunk another engine stored within this window is recomputed; 0 = ask every key.
+    presence_max_age_ms: float = 200.0
     # Seconds a worker waits for a NodeStore before failing the engine loudly.
     transfer_timeout_s: float = 120.0
     # Directory of each node's disk tier; None = no disk tier. Survives restarts.
@@ -252,6 +256,9 @@ def _check_timeouts(cfg: TierStoreConfig) -> None:
         if not _is_number(value) or not 0 < value < inf:  # NaN compares false too
             unit = "milliseconds" if key.endswith("_ms") else "seconds"
             raise ConfigError(f"{key}: expected a positive number of {unit}, got {value!r}")
+    age = cfg.presence_max_age_ms
+    if not _is_number(age) or not 0 <= age < inf:
+        raise ConfigError(f"presence_max_age_ms: expected milliseconds >= 0 (0 = off), got {age!r}")
 
 
 # The order of the checks before they were split: a config with several bad values still

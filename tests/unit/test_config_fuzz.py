@@ -58,6 +58,10 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "lease_ttl_s": _bad_seconds,
     "transfer_timeout_s": _bad_seconds,
     "lookup_timeout_ms": _bad_seconds,
+    "presence_max_age_ms": _not_number
+    | st.floats(max_value=0, exclude_max=True)
+    | st.integers(max_value=-1)
+    | _non_finite,
     "disk_path": _not_str.filter(lambda v: v is not None) | st.sampled_from(["", " \t"]),
     "disk_fsync": _anything.filter(
         lambda v: (

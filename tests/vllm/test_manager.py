@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import ray
 from tierstore.actors.bootstrap import get_or_create_evictor
@@ -215,6 +216,23 @@ def test_stats_count_hits_by_tier_and_use_only_declared_metrics(cfg: TierStoreCo
     manager.shutdown()
 
 
+def _events_of(m: TierStoreManager) -> list[OffloadingEvent]:
+    m.on_schedule_end(END)  # polls the Evictor
+    time.sleep(0.1)
+    return list(m.take_events())
+
+
+def _events_until(m: TierStoreManager, done: Callable[[list[OffloadingEvent]], bool]):  # type: ignore[no-untyped-def]
+    seen: list[OffloadingEvent] = []
+
+    def more() -> bool:
+        seen.extend(_events_of(m))
+        return done(seen)
+
+    wait_for(more, "KV events", _WAIT_S)
+    return seen
+
+
 def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
     cfg: TierStoreConfig,
 ) -> None:
@@ -225,27 +243,29 @@ def test_kv_events_report_stores_and_evictions_with_medium_and_locality(
     other = TierStoreManager(
         cfg, NS, EvictorChannel(evictor), local_node=NodeId("elsewhere"), events_enabled=True
     )
+    assert _events_of(manager) == _events_of(other) == []  # nothing held yet
     evictor.admit(node, [ShardOffer(NS, _key(1), 0, 1, 600)]).result()
     # A different namespace's chunks are never announced to this engine.
     evictor.admit(node, [ShardOffer(Namespace("other"), _key(9), 0, 1, 10)]).result()
     # No room for both: key 1 is dropped (this node has no disk tier).
     evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 600)]).result()
 
-    def events_of(m: TierStoreManager) -> list[OffloadingEvent]:
-        m.on_schedule_end(END)  # polls the Evictor
-        time.sleep(0.1)
-        return list(m.take_events())
-
-    seen = wait_for(lambda: events_of(manager), "KV events", _WAIT_S)
+    seen = _events_until(manager, lambda seen: any(e.removed for e in seen))
     stored = [(e.keys, e.medium) for e in seen if not e.removed]
     removed = [(e.keys, e.medium) for e in seen if e.removed]
     assert stored == [([_key(1)], Medium.CPU), ([_key(3)], Medium.CPU)]
     assert ([_key(1)], Medium.CPU) in removed
     assert all(e.locality is Locality.LOCAL for e in seen)
-    remote = wait_for(lambda: events_of(other), "KV events", _WAIT_S)
-    assert remote and all(e.locality is Locality.REMOTE for e in remote)
-    manager.shutdown()
-    other.shutdown()
+    remote = _events_until(other, lambda seen: len(seen) >= 3)
+    assert all(e.locality is Locality.REMOTE for e in remote)
+    # An engine that starts now hears what is held now, not the history before it.
+    late = TierStoreManager(
+        cfg, NS, EvictorChannel(evictor), local_node=NodeId(node), events_enabled=True
+    )
+    first = _events_until(late, bool)
+    assert [(e.keys, e.medium, e.removed) for e in first] == [([_key(3)], Medium.CPU, False)]
+    for m in (manager, other, late):
+        m.shutdown()
 
 
 def test_a_request_loads_only_from_the_tiers_it_allows(cfg: TierStoreConfig) -> None:
@@ -290,3 +310,52 @@ def test_hits_read_straight_from_disk_count_as_storage(cfg: TierStoreConfig) -> 
     assert results == {"all": [hit] * 4, "cpu": [miss, miss, hit, hit]}
     assert manager.get_stats().data["data"][metrics.LOOKUP_HITS] == {("disk",): 4, ("cpu",): 4}
     manager.shutdown()
+
+
+def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
+    cfg: TierStoreConfig,
+) -> None:
+    """No Evictor round trip (and no scheduler step) for a key the cluster does not hold;
+    a held key, and one another engine stored since, are still asked and HIT."""
+    evictor, node = _evictor_holding(cfg, _key(1))
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))
+    ctx = ReqContext(req_id="r1")
+    manager.on_new_request(ctx)
+    assert manager.lookup(_key(2), ctx) is LookupResult.RETRY  # no picture yet: asked
+
+    def fresh_miss() -> bool:
+        manager.on_schedule_end(END)  # polls: the picture, then its events
+        time.sleep(0.01)
+        probe = ReqContext(req_id=f"probe-{time.monotonic()}")
+        manager.on_new_request(probe)
+        return manager.lookup(_key(7), probe) is LookupResult.MISS
+
+    wait_for(fresh_miss, "a MISS from the picture", _WAIT_S)
+    assert manager.lookup(_key(5), ctx) is LookupResult.MISS  # at once, never RETRY
+    assert manager.lookup(_key(1), ctx) is LookupResult.RETRY  # held: asked
+    assert _settle(manager, _key(1), ctx) is LookupResult.HIT
+
+    evictor.admit(node, [ShardOffer(NS, _key(8), 0, 1, 100)]).result()  # another engine
+    for _ in range(30):  # steps for 0.3 s: the picture catches up within its age
+        manager.on_schedule_end(END)
+        time.sleep(0.01)
+    late = ReqContext(req_id="late")
+    manager.on_new_request(late)
+    assert manager.lookup(_key(8), late) is LookupResult.RETRY
+    assert _settle(manager, _key(8), late) is LookupResult.HIT
+
+    time.sleep(cfg.presence_max_age_ms / 1000 + 0.05)  # no steps: the picture went stale
+    idle = ReqContext(req_id="idle")
+    manager.on_new_request(idle)
+    assert manager.lookup(_key(9), idle) is LookupResult.RETRY
+    manager.shutdown()
+
+    off = TierStoreManager(
+        dataclasses.replace(cfg, presence_max_age_ms=0), NS, EvictorChannel(evictor)
+    )
+    for _ in range(5):
+        off.on_schedule_end(END)
+        time.sleep(0.02)
+    off.on_new_request(ctx)
+    assert off.lookup(_key(5), ctx) is LookupResult.RETRY  # every key asked
+    off.shutdown()

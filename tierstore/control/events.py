@@ -9,6 +9,7 @@ tiers of the whole cluster. The log is bounded: a reader that fell behind gets a
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from collections.abc import Iterable
 from itertools import islice
@@ -33,6 +34,7 @@ class EventBatch(NamedTuple):
     next_seq: int  # pass back as ``after`` next time
     lost: int  # events this reader missed because the log wrapped
     events: list[ResidencyEvent]
+    epoch: str = ""  # the log's incarnation: a new one means the Evictor restarted
 
 
 class EventLog:
@@ -41,6 +43,22 @@ class EventLog:
     def __init__(self, max_entries: int = DEFAULT_EVENT_LOG_ENTRIES) -> None:
         self._entries: deque[ResidencyEvent] = deque(maxlen=max_entries)
         self._next_seq = 0
+        self.epoch = uuid.uuid4().hex
+
+    def snapshot(
+        self, namespace: Namespace, held: dict[NodeId, Iterable[tuple[ShardId, TierName]]]
+    ) -> EventBatch:
+        """``held`` (every node's copies, as the index has them now) as events that a
+        reader applies before the log's next entry: a picture that need not start at 0."""
+        events = []
+        for node, copies in held.items():
+            by_tier: dict[TierName, list[ChunkKey]] = {}
+            for shard, tier in copies:
+                if shard.rank == 0 and shard.namespace == namespace:
+                    by_tier.setdefault(tier, []).append(shard.key)
+            for tier, keys in by_tier.items():
+                events.append(ResidencyEvent(-1, namespace, node, tier, False, keys))
+        return EventBatch(self._next_seq, 0, events, self.epoch)
 
     def record(self, node: NodeId, tier: TierName, removed: bool, shard_ids: list[ShardId]) -> None:
         """One entry per namespace; only rank 0's shard stands for its chunk, so a TP
@@ -79,4 +97,4 @@ class EventLog:
                 events.append(entry)
                 if len(events) >= limit:
                     break
-        return EventBatch(next_seq, lost, events)
+        return EventBatch(next_seq, lost, events, self.epoch)

@@ -36,21 +36,18 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierstore.config import TierStoreConfig
-from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId, group_of
 from tierstore.vllm import metrics
+from tierstore.vllm.cluster_view import ClusterView
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.request_state import Answer, RequestState
-from tierstore.vllm.residency import MEDIUMS, locality, offloading_events
+from tierstore.vllm.residency import MEDIUMS, EventQueue, locality
 from tierstore.vllm.stored_keys import StoredKeys
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
 logger = logging.getLogger(__name__)
-
-# The Evictor's status (tier gauges) and KV events are fetched at most this often.
-_POLL_PERIOD_S = 1.0
 
 
 _RESULTS = {
@@ -88,11 +85,15 @@ class TierStoreManager(OffloadingManager):
         self._metrics = metrics.ManagerMetrics()
         self._job_started: dict[frozenset[ChunkKey], float] = {}  # store/load job start
         self._local_node = local_node
-        self._events_enabled = events_enabled
-        self._events: list[OffloadingEvent] = []
-        self._event_seq = 0
-        self._next_poll_at = 0.0
-        self._polls_in_flight = 0
+        self._events = EventQueue(local_node) if events_enabled else None
+        self._view = ClusterView(
+            channel,
+            namespace,
+            self._lock,
+            self._metrics,
+            self._events,
+            cfg.presence_max_age_ms / 1000,
+        )
 
     @property
     def lock(self) -> threading.RLock:
@@ -134,6 +135,9 @@ class TierStoreManager(OffloadingManager):
             now = time.monotonic()
             asked_at = state.pending.get(key)
             if asked_at is None:
+                if self._view.absent(key, now) and not self._known_stored.committing(key, now):
+                    self._metrics.count(metrics.LOOKUP_MISSES)  # held nowhere: no ask
+                    return LookupResult.MISS
                 state.ask(key, req_context, now)
             elif now - asked_at > self._lookup_timeout_s:
                 # Computed as a miss; the late answer's lease is given back when it lands.
@@ -169,41 +173,7 @@ class TierStoreManager(OffloadingManager):
                         ),
                         node=self._local_node,
                     )
-            self._maybe_poll()
-
-    def _maybe_poll(self) -> None:
-        """Ask for the Evictor's status and KV events, at most once per period."""
-        now = time.monotonic()
-        if now < self._next_poll_at or self._polls_in_flight:
-            return
-        self._next_poll_at = now + _POLL_PERIOD_S
-        self._polls_in_flight += 1
-        self._channel.poll(lambda e: e.status(), self._on_status, "status")
-        if self._events_enabled:
-            self._polls_in_flight += 1
-            after, namespace = self._event_seq, self._namespace
-            self._channel.poll(
-                lambda e: e.events_since(after, namespace), self._on_events, "events"
-            )
-
-    def _on_status(self, status: dict[str, Any] | None) -> None:
-        """Runs on the channel's thread."""
-        with self._lock:
-            self._polls_in_flight -= 1
-            if status is not None:
-                self._metrics.cluster_status(status)
-
-    def _on_events(self, batch: EventBatch | None) -> None:
-        """Runs on the channel's thread."""
-        with self._lock:
-            self._polls_in_flight -= 1
-            if batch is None:
-                return
-            next_seq, lost, events = batch
-            if lost:
-                logger.warning("KV events: %d residency changes were lost (log wrapped)", lost)
-            self._event_seq = next_seq
-            self._events.extend(offloading_events(events, self._local_node))
+            self._view.maybe_poll(time.monotonic())
 
     def _on_answers(
         self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer], asked_at: float
@@ -359,8 +329,7 @@ class TierStoreManager(OffloadingManager):
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
         with self._lock:
-            events, self._events = self._events, []
-        return events
+            return self._events.take() if self._events is not None else []
 
     # ---- lifecycle -------------------------------------------------------------------------
     @override

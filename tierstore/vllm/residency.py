@@ -32,3 +32,19 @@ def offloading_events(
         )
         for event in events
     ]
+
+
+class EventQueue:
+    """KV-cache events waiting for vLLM's ``take_events`` (only where vLLM drains them:
+    KV-cache events on). Callers hold the manager's lock."""
+
+    def __init__(self, local_node: NodeId | None) -> None:
+        self._local_node = local_node
+        self._events: list[OffloadingEvent] = []
+
+    def extend(self, events: Iterable[ResidencyEvent]) -> None:
+        self._events.extend(offloading_events(events, self._local_node))
+
+    def take(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,95 @@
+"""The scheduler's presence picture: built from a snapshot, kept by events, trusted only
+while fresh, dropped on any gap in the chain (the log wrapped, the Evictor restarted).
+
+The Evictor channel here is a manual one (polls wait until the test answers them); the
+real channel and Evictor are covered in ``test_manager.py``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tierstore.control.events import EventBatch, ResidencyEvent
+from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
+from tierstore.vllm.cluster_view import ClusterView, Presence
+from tierstore.vllm.metrics import ManagerMetrics
+
+NS = Namespace("view-test")
+A, B = NodeId("node-a"), NodeId("node-b")
+CPU, DISK = TierName.CPU, TierName.DISK
+AGE_S = 0.2
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0")
+
+
+def event(node: NodeId, tier: TierName, removed: bool, *keys: int) -> ResidencyEvent:
+    return ResidencyEvent(0, NS, node, tier, removed, [key(i) for i in keys])
+
+
+class ManualChannel:
+    """Records each poll; the test answers it (as the channel's thread would)."""
+
+    def __init__(self) -> None:
+        self.polls: list[tuple[str, Callable[[Any], None]]] = []
+
+    def poll(self, call: Callable[[Any], Any], on_done: Callable[[Any], None], what: str) -> None:
+        self.polls.append((what, on_done))
+
+    def answer(self, what: str, value: Any) -> None:
+        (i,) = [i for i, (w, _) in enumerate(self.polls) if w == what]
+        self.polls.pop(i)[1](value)
+
+
+def _view() -> tuple[ClusterView, ManualChannel]:
+    channel = ManualChannel()
+    view = ClusterView(channel, NS, threading.RLock(), ManagerMetrics(), None, AGE_S)  # type: ignore[arg-type]
+    return view, channel
+
+
+def test_presence_counts_each_copy_once_and_forgets_a_key_with_none_left() -> None:
+    presence = Presence()
+    presence.apply([event(A, CPU, False, 1, 2), event(A, CPU, False, 1), event(A, DISK, False, 1)])
+    presence.apply([event(A, CPU, True, 1, 2)])  # 1 is still on A's disk
+    assert key(1) in presence and key(2) not in presence
+    presence.apply([event(B, CPU, False, 1), event(A, DISK, True, 1)])
+    assert key(1) in presence
+    presence.apply([event(B, CPU, True, 1), event(B, CPU, True, 7)])
+    assert len(presence) == 0
+
+
+def test_absent_only_with_a_fresh_picture() -> None:
+    view, channel = _view()
+    assert not view.absent(key(1), 0.0)  # no picture yet: ask
+    view.maybe_poll(0.0)
+    channel.answer("events", EventBatch(5, 0, [event(A, CPU, False, 1)], "e1"))
+    assert view.absent(key(2), 0.1) and not view.absent(key(1), 0.1)
+    assert not view.absent(key(2), AGE_S + 0.01)  # stale: ask
+    view.maybe_poll(0.15)  # events since 5
+    channel.answer("events", EventBatch(6, 0, [event(B, CPU, False, 2)], "e1"))
+    assert not view.absent(key(2), 0.2) and view.absent(key(3), 0.3)
+
+
+def test_a_failed_poll_leaves_the_picture_to_age_out() -> None:
+    view, channel = _view()
+    view.maybe_poll(0.0)
+    channel.answer("events", EventBatch(0, 0, [], "e1"))
+    view.maybe_poll(0.15)
+    channel.answer("events", None)
+    assert view.absent(key(1), 0.19) and not view.absent(key(1), 0.21)
+
+
+def test_a_gap_in_the_log_drops_the_picture_until_a_new_snapshot() -> None:
+    for gap in (EventBatch(9, 3, [], "e1"), EventBatch(2, 0, [], "restarted")):
+        view, channel = _view()
+        view.maybe_poll(0.0)
+        channel.answer("events", EventBatch(5, 0, [], "e1"))
+        assert view.absent(key(1), 0.05)
+        view.maybe_poll(0.15)
+        channel.answer("events", gap)
+        assert not view.absent(key(1), 0.16)  # every key is asked meanwhile
+        view.maybe_poll(0.3)  # a snapshot again
+        channel.answer("events", EventBatch(2, 0, [event(A, CPU, False, 1)], gap.epoch))
+        assert view.absent(key(2), 0.31) and not view.absent(key(1), 0.31)
