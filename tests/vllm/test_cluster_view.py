@@ -38,6 +38,9 @@ class ManualChannel:
     def poll(self, call: Callable[[Any], Any], on_done: Callable[[Any], None], what: str) -> None:
         self.polls.append((what, on_done))
 
+    def sibling(self) -> ManualChannel:
+        return self
+
     def answer(self, what: str, value: Any) -> None:
         (i,) = [i for i, (w, _) in enumerate(self.polls) if w == what]
         self.polls.pop(i)[1](value)

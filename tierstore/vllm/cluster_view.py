@@ -78,10 +78,11 @@ class ClusterView:
         events: EventQueue | None,
         max_age_s: float,
     ) -> None:
-        """``events``: where vLLM's KV-cache events go, if it drains them. ``max_age_s``:
-        how old a presence picture may be and still answer MISS; 0 keeps none (every
-        key is asked)."""
-        self._channel = channel
+        """``channel``: the lookups' channel; polls go on a sibling of it, so a lookup
+        never waits behind one. ``events``: where vLLM's KV-cache events go, if it
+        drains them. ``max_age_s``: how old a presence picture may be and still answer
+        MISS; 0 keeps none (every key is asked)."""
+        self._channel = channel.sibling()
         self._namespace = namespace
         self._lock = lock
         self._metrics = metrics
@@ -95,6 +96,9 @@ class ClusterView:
         self._epoch = ""
         self._due = {"status": 0.0, "events": 0.0}
         self._in_flight: set[str] = set()
+
+    def close(self) -> None:
+        self._channel.close()
 
     def absent(self, key: ChunkKey, now: float) -> bool:
         """No node held ``key`` as of a picture at most ``max_age_s`` old."""

@@ -136,6 +136,12 @@ class EvictorChannel:
         """A read-only Evictor call (status, events); ``on_done`` gets None if it failed."""
         self._queue.put(_Call(call, what, on_done, None))
 
+    def sibling(self) -> EvictorChannel:
+        """A channel (and thread) of its own to the same Evictor: its calls never queue
+        behind this one's. The thread waits for a batch's answers before it sends the
+        next, so a lookup queued while a poll is in flight would wait for both."""
+        return EvictorChannel(self._evictor)
+
     def close(self) -> None:
         self._queue.put(_STOP)
         self._thread.join(timeout=_CLOSE_TIMEOUT_S)

@@ -354,3 +354,4 @@ class TierStoreManager(OffloadingManager):
         for holder in holders:
             self._channel.release_holder(holder)
         self._channel.close()
+        self._view.close()
