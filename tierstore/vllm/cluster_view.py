@@ -144,12 +144,13 @@ class ClusterView:
                 self._metrics.cluster_status(status)
 
     def _on_snapshot(self, batch: EventBatch | None, sent_at: float) -> None:
+        presence = Presence()
+        if batch is not None:  # built off the lock: it may be the whole namespace
+            presence.apply(batch.events)
         with self._lock:
             self._in_flight.discard("events")
             if batch is None:
                 return
-            presence = Presence()
-            presence.apply(batch.events)
             self._presence, self._refreshed_at = presence, sent_at
             self._seq, self._epoch = batch.next_seq, batch.epoch
             logger.debug("cluster picture: %d chunks of %s", len(presence), self._namespace)
