@@ -50,38 +50,33 @@ class EventLog:
     ) -> EventBatch:
         """``held`` (every node's copies, as the index has them now) as events that a
         reader applies before the log's next entry: a picture that need not start at 0."""
-        events = []
-        for node, copies in held.items():
-            by_tier: dict[TierName, list[ChunkKey]] = {}
-            for shard, tier in copies:
-                if shard.rank == 0 and shard.namespace == namespace:
-                    by_tier.setdefault(tier, []).append(shard.key)
-            for tier, keys in by_tier.items():
-                events.append(ResidencyEvent(-1, namespace, node, tier, False, keys))
+        events = [
+            ResidencyEvent(-1, namespace, node, tier, False, keys)
+            for node, copies in held.items()
+            for (tier, _), keys in _by_tier_and_namespace(
+                (shard, tier) for shard, tier in copies if shard.namespace == namespace
+            ).items()
+        ]
         return EventBatch(self._next_seq, 0, events, self.epoch)
 
     def record(self, node: NodeId, tier: TierName, removed: bool, shard_ids: list[ShardId]) -> None:
-        """One entry per namespace; only rank 0's shard stands for its chunk, so a TP
-        engine's chunk is announced once."""
-        by_namespace: dict[Namespace, list[ChunkKey]] = {}
-        for shard in shard_ids:
-            if shard.rank == 0:
-                by_namespace.setdefault(shard.namespace, []).append(shard.key)
-        for namespace, keys in by_namespace.items():
-            self._entries.append(
-                ResidencyEvent(self._next_seq, namespace, node, tier, removed, keys)
-            )
-            self._next_seq += 1
+        """One entry per namespace."""
+        self._append(node, removed, _by_tier_and_namespace((s, tier) for s in shard_ids))
 
     def record_held(
         self, node: NodeId, removed: bool, held: Iterable[tuple[ShardId, TierName]]
     ) -> None:
         """``held``'s copies, each under its own tier (a restore, a lost node)."""
-        by_tier: dict[TierName, list[ShardId]] = {}
-        for shard, tier in held:
-            by_tier.setdefault(tier, []).append(shard)
-        for tier, shards in by_tier.items():
-            self.record(node, tier, removed, shards)
+        self._append(node, removed, _by_tier_and_namespace(held))
+
+    def _append(
+        self, node: NodeId, removed: bool, groups: dict[tuple[TierName, Namespace], list[ChunkKey]]
+    ) -> None:
+        for (tier, namespace), keys in groups.items():
+            self._entries.append(
+                ResidencyEvent(self._next_seq, namespace, node, tier, removed, keys)
+            )
+            self._next_seq += 1
 
     def since(self, after: int, namespace: Namespace, limit: int = 10_000) -> EventBatch:
         """Events of ``namespace`` with ``seq >= after``, oldest first."""
@@ -98,3 +93,15 @@ class EventLog:
                 if len(events) >= limit:
                     break
         return EventBatch(next_seq, lost, events, self.epoch)
+
+
+def _by_tier_and_namespace(
+    held: Iterable[tuple[ShardId, TierName]],
+) -> dict[tuple[TierName, Namespace], list[ChunkKey]]:
+    """The keys of rank 0's shards, by tier and namespace: rank 0 stands for its chunk, so
+    a TP engine's chunk is announced once."""
+    groups: dict[tuple[TierName, Namespace], list[ChunkKey]] = {}
+    for shard, tier in held:
+        if shard.rank == 0:
+            groups.setdefault((tier, shard.namespace), []).append(shard.key)
+    return groups
