@@ -52,6 +52,8 @@ _SIZE_UNITS: dict[str, int] = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# Keys given as true/false (or "yes"/"no", "1"/"0", ... as strings).
+_BOOL_KEYS = ("disk_fsync", "hits_from_picture")
 
 
 def parse_bytes(key: str, value: object) -> int:
@@ -103,6 +105,11 @@ class TierStoreConfig:
     # still answer a lookup MISS without asking the Evictor (refreshed twice as often).
     # A chunk another engine stored within this window is recomputed; 0 = ask every key.
     presence_max_age_ms: float = 200.0
+    # While that picture is fresh, a chunk it shows in some node's memory is a HIT at
+    # once (its lease is taken meanwhile), so the request is scheduled a step sooner. Only
+    # under kv_load_failure_policy "recompute": a chunk evicted in between fails its load,
+    # and the request recomputes.
+    hits_from_picture: bool = True
     # Seconds a worker waits for a NodeStore before failing the engine loudly.
     transfer_timeout_s: float = 120.0
     # Directory of each node's disk tier; None = no disk tier. Survives restarts.
@@ -160,8 +167,9 @@ class TierStoreConfig:
             kwargs["disk_bytes_per_node"] = parse_bytes(
                 "disk_bytes_per_node", kwargs["disk_bytes_per_node"]
             )
-        if "disk_fsync" in kwargs:
-            kwargs["disk_fsync"] = parse_bool("disk_fsync", kwargs["disk_fsync"])
+        for key in _BOOL_KEYS:
+            if key in kwargs:
+                kwargs[key] = parse_bool(key, kwargs[key])
         if kwargs.get("ray_address") is None and ray_address_env:
             kwargs["ray_address"] = ray_address_env
         return cls(**kwargs)
@@ -186,6 +194,11 @@ def _check_cpu_bytes(cfg: TierStoreConfig) -> None:
         )
     if cfg.cpu_bytes_per_node <= 0:
         raise ConfigError(f"cpu_bytes_per_node: must be positive, got {cfg.cpu_bytes_per_node!r}")
+
+
+def _check_bool(cfg: TierStoreConfig, key: str) -> None:
+    if not isinstance(getattr(cfg, key), bool):
+        raise ConfigError(f"{key}: expected true or false, got {getattr(cfg, key)!r}")
 
 
 def _check_namespace(cfg: TierStoreConfig) -> None:
@@ -215,8 +228,7 @@ def _check_disk(cfg: TierStoreConfig) -> None:
         not isinstance(cfg.disk_path, str) or not cfg.disk_path.strip()
     ):
         raise ConfigError(f"disk_path: expected a directory path, got {cfg.disk_path!r}")
-    if not isinstance(cfg.disk_fsync, bool):
-        raise ConfigError(f"disk_fsync: expected true or false, got {cfg.disk_fsync!r}")
+    _check_bool(cfg, "disk_fsync")
 
 
 def _check_policy(cfg: TierStoreConfig) -> None:
@@ -259,6 +271,7 @@ def _check_timeouts(cfg: TierStoreConfig) -> None:
     age = cfg.presence_max_age_ms
     if not _is_number(age) or not 0 <= age < inf:
         raise ConfigError(f"presence_max_age_ms: expected milliseconds >= 0 (0 = off), got {age!r}")
+    _check_bool(cfg, "hits_from_picture")
 
 
 # The order of the checks before they were split: a config with several bad values still

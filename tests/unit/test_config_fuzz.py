@@ -33,6 +33,15 @@ _bad_size = (
     | st.text(max_size=12).filter(lambda s: not s.strip()[:1].isdigit())
     | st.sampled_from(["1" * 400, "1" * 400 + "GiB", "-1GiB", "1 parsec", "1e9", "0x10"])
 )
+_not_bool = _anything.filter(
+    lambda v: (
+        not isinstance(v, bool)
+        and not (
+            isinstance(v, str)
+            and v.strip().lower() in {"true", "false", "1", "0", "yes", "no", "on", "off"}
+        )
+    )
+)
 _bad_seconds = _not_number | st.floats(max_value=0) | st.integers(max_value=0) | _non_finite
 _bad_fraction = (
     _not_number
@@ -63,15 +72,8 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     | st.integers(max_value=-1)
     | _non_finite,
     "disk_path": _not_str.filter(lambda v: v is not None) | st.sampled_from(["", " \t"]),
-    "disk_fsync": _anything.filter(
-        lambda v: (
-            not isinstance(v, bool)
-            and not (
-                isinstance(v, str)
-                and v.strip().lower() in {"true", "false", "1", "0", "yes", "no", "on", "off"}
-            )
-        )
-    ),
+    "disk_fsync": _not_bool,
+    "hits_from_picture": _not_bool,
     "eviction_policy": _anything.filter(lambda v: v not in ("lru", "arc")),
     "cpu_high_watermark": _bad_fraction,
     "cpu_low_watermark": _bad_fraction | st.floats(0.96, 1.0),  # above the high mark

@@ -359,3 +359,69 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     off.on_new_request(ctx)
     assert off.lookup(_key(5), ctx) is LookupResult.RETRY  # every key asked
     off.shutdown()
+
+
+def _wait_for_fresh_picture(manager: TierStoreManager) -> None:
+    def fresh_miss() -> bool:
+        manager.on_schedule_end(END)  # polls: the picture, then its events
+        time.sleep(0.01)
+        probe = ReqContext(req_id=f"probe-{time.monotonic()}")
+        manager.on_new_request(probe)
+        return manager.lookup(_key(77), probe) is LookupResult.MISS
+
+    wait_for(fresh_miss, "a MISS from the picture", _WAIT_S)
+
+
+def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same_step(
+    cfg: TierStoreConfig,
+) -> None:
+    """Under answer_hits_from_picture (a failed load recomputes), a chunk the fresh picture
+    shows in memory is a HIT with no RETRY step, loadable from its node by every rank; the
+    lease, asked in the same step, keeps it until complete_load. A chunk the Evictor lost
+    meanwhile is counted unleased and answered MISS once the Evictor says so."""
+    cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)  # no events poll meanwhile
+    evictor, node = _evictor_holding(cfg, _key(1), _key(2))
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
+    manager.answer_hits_from_picture(2)
+    _wait_for_fresh_picture(manager)
+
+    ctx = ReqContext(req_id="r1")
+    manager.on_new_request(ctx)
+    assert manager.lookup(_key(1), ctx) is LookupResult.HIT  # no RETRY step
+    spec = manager.prepare_load([_key(1)], ctx)
+    assert spec.nodes == (node,) and spec.locations == ((0, 0),)
+    manager.on_schedule_end(END)  # the step's lookups: the lease
+    hits = poll(lambda: evictor.status().result()["totals"]["hits"], 10, done=lambda n: n)
+    assert hits == 1
+    accepted, _ = evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()
+    assert accepted == [False]  # leased: not evicted for room
+    manager.complete_load([_key(1)], ctx)
+    manager.on_request_finished(ctx)
+
+    # Key 2 goes (evicted for key 4's room) after the picture's last poll.
+    accepted, _ = evictor.admit(node, [ShardOffer(NS, _key(4), 0, 1, 850)]).result()
+    assert accepted == [True]
+    late = ReqContext(req_id="late")
+    manager.on_new_request(late)
+    assert manager.lookup(_key(2), late) is LookupResult.HIT  # the picture's word
+    manager.on_schedule_end(END)
+    wait_for(
+        lambda: manager.lookup(_key(2), late) is LookupResult.MISS, "the Evictor's MISS", _WAIT_S
+    )
+    counters = manager.get_stats().data["data"]
+    assert counters[metrics.PICTURE_HITS] == {(): 2}
+    assert counters[metrics.PICTURE_HITS_UNLEASED] == {(): 1}
+    assert counters[metrics.LOOKUP_HITS] == {("cpu",): 2}  # each HIT counted once
+    manager.shutdown()
+
+    off = TierStoreManager(
+        dataclasses.replace(cfg, hits_from_picture=False),
+        NS,
+        EvictorChannel(evictor),
+        local_node=NodeId(node),
+    )
+    off.answer_hits_from_picture(1)
+    _wait_for_fresh_picture(off)
+    off.on_new_request(ctx)
+    assert off.lookup(_key(1), ctx) is LookupResult.RETRY  # asked first, as before
+    off.shutdown()

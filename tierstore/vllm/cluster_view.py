@@ -51,6 +51,18 @@ class Presence:
     def __len__(self) -> int:
         return len(self._copies)
 
+    def holder(self, key: ChunkKey, tier: TierName, prefer: NodeId | None) -> NodeId | None:
+        """A node holding ``key`` in ``tier``: ``prefer`` if it does, else any."""
+        copies = self._copies.get(key, 0)
+        found = None
+        if copies:
+            for (node, held_in), bit in self._bits.items():
+                if held_in is tier and copies & bit:
+                    if node == prefer:
+                        return node
+                    found = found or node
+        return found
+
     def apply(self, events: Iterable[ResidencyEvent]) -> None:
         copies = self._copies
         for event in events:
@@ -108,6 +120,14 @@ class ClusterView:
             and now - self._refreshed_at <= self._max_age_s
             and key not in presence
         )
+
+    def in_memory(self, key: ChunkKey, now: float, prefer: NodeId | None) -> NodeId | None:
+        """A node that held ``key`` in its CPU tier as of a picture at most ``max_age_s``
+        old (``prefer``, this engine's node, if it did), or None."""
+        presence = self._presence
+        if presence is None or now - self._refreshed_at > self._max_age_s:
+            return None
+        return presence.holder(key, TierName.CPU, prefer)
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:

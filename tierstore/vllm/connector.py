@@ -106,7 +106,14 @@ class TierStoreConnector(OffloadingConnector):
             )
         transfer = vllm_config.kv_transfer_config
         policy = getattr(transfer, "kv_load_failure_policy", None)
-        if role == KVConnectorRole.SCHEDULER and policy != "recompute":
+        if role != KVConnectorRole.SCHEDULER:
+            return
+        if policy == "recompute":
+            # A load that fails recomputes: HITs may be answered before their lease.
+            enable = getattr(self.connector_scheduler.manager, "answer_hits_from_picture", None)
+            if enable is not None:
+                enable(vllm_config.parallel_config.world_size)
+        else:
             logger.warning(
                 "kv_load_failure_policy is %r: a request whose load fails will end with "
                 'an error. Set "kv_load_failure_policy": "recompute" in '

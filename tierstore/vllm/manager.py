@@ -8,7 +8,11 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
   MISS (``tierstore:lookup_timeouts``): a slow Evictor never holds a request up for
   longer. An answer that lands after that is dropped, and its leases given back.
 - a ``HIT`` is backed by a lease the Evictor granted this request, so the chunk stays
-  loadable until ``prepare_load``, which extends the lease until ``complete_load``.
+  loadable until ``prepare_load``, which extends the lease until ``complete_load``. A HIT
+  from the scheduler's picture (:meth:`TierStoreManager.answer_hits_from_picture`) is
+  answered before its lease: the lease is asked in the same step and usually lands
+  before the load runs; if the chunk went meanwhile, the load fails over to another copy
+  or recomputes its request.
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
   methods also take it themselves, so both versions are safe.
 """
@@ -38,7 +42,7 @@ from vllm.v1.kv_offload.base import (
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId, group_of
+from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of
 from tierstore.vllm import metrics
 from tierstore.vllm.cluster_view import ClusterView
 from tierstore.vllm.evictor_channel import EvictorChannel
@@ -85,6 +89,7 @@ class TierStoreManager(OffloadingManager):
         self._metrics = metrics.ManagerMetrics()
         self._job_started: dict[frozenset[ChunkKey], float] = {}  # store/load job start
         self._local_node = local_node
+        self._picture_ranks = 0  # ranks a HIT from the picture names; 0: none (see below)
         self._events = EventQueue(local_node) if events_enabled else None
         self._view = ClusterView(
             channel,
@@ -139,6 +144,8 @@ class TierStoreManager(OffloadingManager):
                     self._metrics.count(metrics.LOOKUP_MISSES)  # held nowhere: no ask
                     return LookupResult.MISS
                 state.ask(key, req_context, now)
+                if self._hit_from_picture(state, key, req_context, now):
+                    return LookupResult.HIT
             elif now - asked_at > self._lookup_timeout_s:
                 # Computed as a miss; the late answer's lease is given back when it lands.
                 state.give_up(key, now)
@@ -148,6 +155,32 @@ class TierStoreManager(OffloadingManager):
             elif key not in state.in_flight:  # answered PENDING: ask again
                 state.send_later(key, now)
             return LookupResult.RETRY
+
+    def answer_hits_from_picture(self, world_size: int) -> None:
+        """Start-up, scheduler thread: :class:`~tierstore.connector.TierStoreConnector`
+        calls this when a failed load recomputes its request. From then on (config
+        ``hits_from_picture``), a chunk the fresh picture shows in some node's memory is
+        a HIT at once, loadable by each of the engine's ``world_size`` ranks from that
+        node; its lease is asked for in the same step. The request is scheduled a step
+        sooner (the Evictor's round trip lands during the step's forward). A chunk gone
+        in between is read from another copy the Evictor names, or its load fails and
+        the request recomputes: a lost hit, never wrong bytes (every load is verified)."""
+        with self._lock:
+            self._picture_ranks = world_size if self._cfg.hits_from_picture else 0
+
+    def _hit_from_picture(
+        self, state: RequestState, key: ChunkKey, ctx: ReqContext, now: float
+    ) -> bool:
+        if not self._picture_ranks or ctx.load_tier_filter is not TierFilter.ALL:
+            return False
+        node = self._view.in_memory(key, now, self._local_node)
+        if node is None:
+            return False
+        where = dict.fromkeys(range(self._picture_ranks), node)
+        state.guess(key, where, now, self._cfg.presence_max_age_ms / 1000)
+        self._metrics.count(metrics.LOOKUP_HITS, tier=TierName.CPU)
+        self._metrics.count(metrics.PICTURE_HITS)
+        return True
 
     def _allowed(self, answer: Answer, tier_filter: TierFilter) -> bool:
         """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
@@ -193,16 +226,20 @@ class TierStoreManager(OffloadingManager):
                         late.append(key)
                     continue
                 if answer_state == LookupState.MISS and self._known_stored.committing(key, now):
+                    state.was_guessed(key)
                     state.ask_again(key, now)
                     continue
                 # Re-ask a HIT well before its lease ends.
+                guessed = state.was_guessed(key)  # a HIT already, counted as one
                 tier = state.take(
                     key, answer_state, where, now, self._cfg.lease_ttl_s / 2, from_tier
                 )
-                if answer_state == LookupState.HIT:
+                if answer_state == LookupState.HIT and not guessed:
                     self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
                 elif answer_state == LookupState.MISS:
-                    self._metrics.count(metrics.LOOKUP_MISSES)
+                    self._metrics.count(
+                        metrics.PICTURE_HITS_UNLEASED if guessed else metrics.LOOKUP_MISSES
+                    )
                     # Evicted (or never stored): let the next prepare_store offer it again.
                     self._known_stored.forget(key)
             if late:

@@ -34,6 +34,8 @@ PREFIX = "tierstore:"
 LOOKUP_HITS = PREFIX + "lookup_hits"
 LOOKUP_MISSES = PREFIX + "lookup_misses"
 LOOKUP_TIMEOUTS = PREFIX + "lookup_timeouts"
+PICTURE_HITS = PREFIX + "picture_hits"
+PICTURE_HITS_UNLEASED = PREFIX + "picture_hits_unleased"
 LOADED_CHUNKS = PREFIX + "loaded_chunks"
 STORED_CHUNKS = PREFIX + "stored_chunks"
 FAILED_LOADS = PREFIX + "failed_loads"
@@ -77,6 +79,16 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         LOOKUP_MISSES: ("Chunk lookups answered MISS.", ()),
         LOOKUP_TIMEOUTS: (
             "Chunk lookups not answered within lookup_timeout_ms (computed as misses).",
+            (),
+        ),
+        PICTURE_HITS: (
+            "Chunk lookups answered HIT from the scheduler's picture of the cluster, before "
+            "the Evictor leased them (also counted in lookup_hits).",
+            (),
+        ),
+        PICTURE_HITS_UNLEASED: (
+            "HITs from the picture that the Evictor then answered MISS (the chunk went "
+            "meanwhile: its load reads another copy, or the request recomputes).",
             (),
         ),
         LOADED_CHUNKS: ("Chunks loaded into the KV cache, by the tier that served them.", _TIER),

@@ -8,8 +8,10 @@ them, read-only), each shard is verified (length, slot coverage, xxh3), and only
 scattered, shard by shard, into the KV cache. Shards of one job may come from several
 nodes: the calls go out at once, and every shard is verified before any is scattered.
 
-A holder that fails (its NodeStore died, its node is lost, or its object's owner died
-before the get) is retried once from other copies the Evictor knows of.
+A holder that fails (its NodeStore died, its node is lost, its object's owner died
+before the get, or it no longer holds the chunk: a HIT from the scheduler's picture
+names a node before the Evictor leased the chunk there) is retried once from other
+copies the Evictor knows of.
 
 Thread: the worker's transfer threads; :meth:`ObjectLoads.load` blocks on the
 NodeStores' answers (each within the transfer deadline).
@@ -25,7 +27,7 @@ import numpy as np
 from tierstore.data.checksum import digest
 from tierstore.data.layout import JobPlan
 from tierstore.data.tiers.base import ShardMeta
-from tierstore.errors import ChunkCorruptError, TierStoreError
+from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierStoreError
 from tierstore.keys import NodeId
 from tierstore.store.ports import Reply
 from tierstore.vllm.device_copy import Scatter
@@ -76,7 +78,8 @@ class ObjectLoads:
                 raise call
             return call.result(self._timeout_s)
         except Exception as error:
-            self._ports.forget_node_store(node)
+            if not isinstance(error, ChunkNotFoundError):  # else the NodeStore is fine
+                self._ports.forget_node_store(node)
             return self._fetch_elsewhere(spec, node, idx, error)
 
     def _fetch_elsewhere(
