@@ -40,6 +40,12 @@ def _run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return module.run(args)
 
 
+def _key_value(text: str) -> str:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark options, shared with ``tierstore bench``."""
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
@@ -57,6 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["tiny", "0.1b"],
         default="tiny",
         help="e2e: the tiny 2-layer Llama or the 0.1 B one (real-model KV proportions)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        type=_key_value,
+        help="e2e: a tierstore config key for the tierstore engine (repeatable), e.g. "
+        "--set hits_from_picture=false; recorded in the JSON",
     )
     add_log_arguments(parser)  # default log file: OUT/NAME.log
 

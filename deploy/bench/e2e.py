@@ -69,8 +69,14 @@ def omp_binding() -> str:
 
 
 def _plan(
-    setup: dict[str, Any], model: Path, mode: str, disk_path: Path, namespace: str = NAMESPACE
+    setup: dict[str, Any],
+    model: Path,
+    mode: str,
+    disk_path: Path,
+    namespace: str = NAMESPACE,
+    overrides: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """``overrides``: tierstore config keys for the tierstore engine (``--set``)."""
     engine: dict[str, Any] = {
         "model": str(model),
         "dtype": "float32",
@@ -87,6 +93,7 @@ def _plan(
             "disk_path": str(disk_path),
             "disk_bytes_per_node": setup["disk_bytes"],
             "namespace": namespace,
+            **(overrides or {}),
         }
     return {
         "engine": engine,
@@ -259,6 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
     binding = omp_binding()
+    overrides = dict(item.split("=", 1) for item in getattr(args, "set", None) or [])
     work = args.out / f"e2e-{choice}-work"
     work.mkdir(parents=True, exist_ok=True)
     with (
@@ -270,7 +278,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for mode, n in run_order(passes):
                 space = Path(disk) / f"run{n}"
-                plan = _plan(setup, model, mode, space, f"{NAMESPACE}-{n}")
+                plan = _plan(setup, model, mode, space, f"{NAMESPACE}-{n}", overrides)
                 runs[mode].append(_run_engine(plan, address, work, f"{mode}-{n}", binding))
         finally:  # each tierstore run's actors (ray_session stops NAMESPACE's only)
             for n in range(passes):
@@ -281,6 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ray_cluster": address,
         "model": choice,
         "omp_threads_bind": binding,
+        "tierstore_overrides": overrides,
         "engine_runs": [f"{mode}-{n}" for mode, n in run_order(passes)],
         "setup": dict(setup) | {"model": MODELS[choice], "block_size": BLOCK_SIZE},
         "summary": summary,

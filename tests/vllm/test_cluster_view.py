@@ -75,20 +75,26 @@ def test_absent_only_with_a_fresh_picture() -> None:
     assert not view.absent(key(2), 0.2) and view.absent(key(3), 0.3)
 
 
-def test_in_memory_names_a_node_with_a_cpu_copy_preferring_the_asking_one() -> None:
+def test_nearest_copy_is_in_memory_first_then_on_the_asking_node() -> None:
     view, channel = _view()
-    assert view.in_memory(key(1), 0.0, A) is None  # no picture yet
+    assert view.nearest(key(1), 0.0, A) is None  # no picture yet
     view.maybe_poll(0.0)
-    batch = [event(A, DISK, False, 1, 2), event(B, CPU, False, 1, 3), event(A, CPU, False, 3)]
-    channel.answer("events", EventBatch(3, 0, batch, "e1"))
-    assert view.in_memory(key(1), 0.1, A) == B  # A holds it on disk only
-    assert view.in_memory(key(2), 0.1, A) is None  # on disk only: asked, never guessed
-    assert view.in_memory(key(3), 0.1, A) == A and view.in_memory(key(3), 0.1, B) == B
-    assert view.in_memory(key(9), 0.1, A) is None
-    assert view.in_memory(key(3), AGE_S + 0.01, A) is None  # stale: asked
+    batch = [
+        event(A, DISK, False, 1, 2),
+        event(B, CPU, False, 1, 3),
+        event(A, CPU, False, 3),
+        event(B, DISK, False, 2, 4),
+    ]
+    channel.answer("events", EventBatch(4, 0, batch, "e1"))
+    assert view.nearest(key(1), 0.1, A) == (B, CPU)  # memory elsewhere before A's disk
+    assert view.nearest(key(2), 0.1, A) == (A, DISK) and view.nearest(key(2), 0.1, B) == (B, DISK)
+    assert view.nearest(key(3), 0.1, A) == (A, CPU) and view.nearest(key(3), 0.1, B) == (B, CPU)
+    assert view.nearest(key(4), 0.1, A) == (B, DISK)
+    assert view.nearest(key(9), 0.1, A) is None
+    assert view.nearest(key(3), AGE_S + 0.01, A) is None  # stale: asked
     view.maybe_poll(0.15)
-    channel.answer("events", EventBatch(4, 0, [event(B, CPU, True, 1)], "e1"))
-    assert view.in_memory(key(1), 0.2, A) is None
+    channel.answer("events", EventBatch(5, 0, [event(B, CPU, True, 1)], "e1"))
+    assert view.nearest(key(1), 0.2, A) == (A, DISK)
 
 
 def test_a_failed_poll_leaves_the_picture_to_age_out() -> None:

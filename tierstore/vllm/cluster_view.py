@@ -2,9 +2,11 @@
 gauges), its residency changes (vLLM's KV-cache events), and which chunks the cluster
 holds at all.
 
-The last lets a lookup of a key no node holds answer MISS at once. Without it every new
-request waited one Evictor round trip and a scheduler step before it could be scheduled
-(7-9 ms on an idle CPU engine; a whole forward step on a busy one). The picture is a
+The last lets a lookup of a key no node holds answer MISS at once, and one some node
+holds answer HIT at once (where the manager may: its ``answer_hits_from_picture``).
+Without it every new request waited one Evictor round trip and a scheduler step before
+it could be scheduled (7-9 ms on an idle CPU engine; a whole forward step on a busy
+one). The picture is a
 snapshot of the index followed by the Evictor's event log, and is trusted only while it
 is fresh (``presence_max_age_ms`` since the poll it reflects was sent): a chunk another
 engine stored since then reads as absent and is recomputed, a lost hit and never wrong
@@ -51,17 +53,18 @@ class Presence:
     def __len__(self) -> int:
         return len(self._copies)
 
-    def holder(self, key: ChunkKey, tier: TierName, prefer: NodeId | None) -> NodeId | None:
-        """A node holding ``key`` in ``tier``: ``prefer`` if it does, else any."""
+    def nearest(self, key: ChunkKey, prefer: NodeId | None) -> tuple[NodeId, TierName] | None:
+        """The copy of ``key`` a load reads fastest: in memory before on disk, on
+        ``prefer`` (the asking engine's node) before elsewhere; None if none."""
         copies = self._copies.get(key, 0)
-        found = None
+        best, best_rank = None, 4
         if copies:
-            for (node, held_in), bit in self._bits.items():
-                if held_in is tier and copies & bit:
-                    if node == prefer:
-                        return node
-                    found = found or node
-        return found
+            for where, bit in self._bits.items():
+                if copies & bit:
+                    rank = 2 * (where[1] is not TierName.CPU) + (where[0] != prefer)
+                    if rank < best_rank:
+                        best, best_rank = where, rank
+        return best
 
     def apply(self, events: Iterable[ResidencyEvent]) -> None:
         copies = self._copies
@@ -121,13 +124,15 @@ class ClusterView:
             and key not in presence
         )
 
-    def in_memory(self, key: ChunkKey, now: float, prefer: NodeId | None) -> NodeId | None:
-        """A node that held ``key`` in its CPU tier as of a picture at most ``max_age_s``
-        old (``prefer``, this engine's node, if it did), or None."""
+    def nearest(
+        self, key: ChunkKey, now: float, prefer: NodeId | None
+    ) -> tuple[NodeId, TierName] | None:
+        """The copy of ``key`` nearest ``prefer`` (this engine's node; memory first) as of
+        a picture at most ``max_age_s`` old, or None: none, or no fresh picture."""
         presence = self._presence
         if presence is None or now - self._refreshed_at > self._max_age_s:
             return None
-        return presence.holder(key, TierName.CPU, prefer)
+        return presence.nearest(key, prefer)
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:
