@@ -18,7 +18,7 @@ from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaMapping
 from tierstore.keys import NodeId, ShardId
-from tierstore.vllm.transfer_specs import StoreSpec
+from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
 
 SRC = GPULoadStoreSpec([1, 2, 3, 4, 5], group_sizes=[4, 1], block_indices=[0, 0])
@@ -137,6 +137,16 @@ def test_another_engine_on_the_node_loads_the_shards_unpinned_from_the_arena_dir
     for s, d in zip([1, 2, 3, 4], [20, 21, 22, 23], strict=True):
         assert torch.equal(other_kv[0][d, :96], original[0][s, :96])
     assert torch.equal(other_kv[1][24, :200], original[1][5, :200])
+
+    # A load whose spec names another node (a remote copy the scheduler knew of) is
+    # served from this node's copy all the same: no call to that node.
+    for t in other_kv:
+        t.zero_()
+    elsewhere = LoadSpec.build(NS, keys, [{0: NodeId("f" * 56)}] * len(keys))
+    other.submit_load(4, elsewhere, DST)
+    assert [r.job_id for r in other.get_finished() if r.success] == [4]
+    assert (other.arena.arena_loads, other.arena.unpinned_loads) == (2, 2)
+    assert _loaded_exact(other_kv, original)
     other.shutdown()
     writer.shutdown()
 

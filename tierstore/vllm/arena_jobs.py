@@ -215,21 +215,26 @@ class ArenaJobs:
         return np.concatenate(views) if views else np.empty(0, dtype=np.uint8)
 
     # ---- loads -----------------------------------------------------------------------------
-    def _local_arena(self, spec: LoadSpec, scatter: Scatter) -> WorkerArena | None:
-        """The arena, if it can serve this load: mapped, the copier scatters from it in
-        place, and every shard is on this node."""
+    def _mapped(self, scatter: Scatter) -> WorkerArena | None:
+        """The arena, if mapped and the copier scatters from it in place."""
         arena = self._ready()
-        if arena is None or not scatter.in_place:
-            return None
-        if set(spec.keys_by_node(self._rank)) != {self._local_node}:
+        return arena if arena is not None and scatter.in_place else None
+
+    def _local_arena(self, spec: LoadSpec, scatter: Scatter) -> WorkerArena | None:
+        """The arena, if it can pin this load's shards: mapped, and every shard named on
+        this node (a pin is a call to this node's NodeStore)."""
+        arena = self._mapped(scatter)
+        if arena is None or set(spec.keys_by_node(self._rank)) != {self._local_node}:
             return None
         return arena
 
     def load_unpinned(self, spec: LoadSpec, plan: JobPlan, scatter: Scatter) -> bool:
-        """Any thread, no round trip: serve the load from where the arena's directory says
-        its shards are (see :meth:`_read_unpinned`); False if one is not there or the
-        check failed (the caller pins)."""
-        arena = self._local_arena(spec, scatter)
+        """Any thread, no round trip: serve the load from where this node's arena
+        directory says its shards are (see :meth:`_read_unpinned`), wherever the spec
+        names them: a copy here beats a remote one (a replica made since the HIT, or one
+        the scheduler's picture did not show yet). False if one is not here or the check
+        failed (the caller pins, or loads from the node the spec names)."""
+        arena = self._mapped(scatter)
         return arena is not None and self._load_unpinned(arena, spec, plan, scatter)
 
     def _load_unpinned(
@@ -250,11 +255,11 @@ class ArenaJobs:
         """Transfer thread: serve the load from the local arena, unpinned if it can
         (``unpinned=False``: that was tried already), else pinned; False if this path
         cannot (the caller then loads through the object store)."""
+        if unpinned and self.load_unpinned(spec, plan, scatter):
+            return True
         arena = self._local_arena(spec, scatter)
         if arena is None:
             return False
-        if unpinned and self._load_unpinned(arena, spec, plan, scatter):
-            return True
         try:
             pins = arena.pin(spec.namespace, self._rank, list(spec.keys))
         except Exception as exc:  # not in memory and no room to promote; a new arena; ...
