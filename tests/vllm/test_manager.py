@@ -312,6 +312,17 @@ def test_hits_read_straight_from_disk_count_as_storage(cfg: TierStoreConfig) -> 
     manager.shutdown()
 
 
+def _wait_for_fresh_picture(manager: TierStoreManager) -> None:
+    def fresh_miss() -> bool:
+        manager.on_schedule_end(END)  # polls: the picture, then its events
+        time.sleep(0.01)
+        probe = ReqContext(req_id=f"probe-{time.monotonic()}")
+        manager.on_new_request(probe)
+        return manager.lookup(_key(77), probe) is LookupResult.MISS
+
+    wait_for(fresh_miss, "a MISS from the picture", _WAIT_S)
+
+
 def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     cfg: TierStoreConfig,
 ) -> None:
@@ -323,14 +334,7 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     manager.on_new_request(ctx)
     assert manager.lookup(_key(2), ctx) is LookupResult.RETRY  # no picture yet: asked
 
-    def fresh_miss() -> bool:
-        manager.on_schedule_end(END)  # polls: the picture, then its events
-        time.sleep(0.01)
-        probe = ReqContext(req_id=f"probe-{time.monotonic()}")
-        manager.on_new_request(probe)
-        return manager.lookup(_key(7), probe) is LookupResult.MISS
-
-    wait_for(fresh_miss, "a MISS from the picture", _WAIT_S)
+    _wait_for_fresh_picture(manager)
     assert manager.lookup(_key(5), ctx) is LookupResult.MISS  # at once, never RETRY
     assert manager.lookup(_key(1), ctx) is LookupResult.RETRY  # held: asked
     assert _settle(manager, _key(1), ctx) is LookupResult.HIT
@@ -359,17 +363,6 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     off.on_new_request(ctx)
     assert off.lookup(_key(5), ctx) is LookupResult.RETRY  # every key asked
     off.shutdown()
-
-
-def _wait_for_fresh_picture(manager: TierStoreManager) -> None:
-    def fresh_miss() -> bool:
-        manager.on_schedule_end(END)  # polls: the picture, then its events
-        time.sleep(0.01)
-        probe = ReqContext(req_id=f"probe-{time.monotonic()}")
-        manager.on_new_request(probe)
-        return manager.lookup(_key(77), probe) is LookupResult.MISS
-
-    wait_for(fresh_miss, "a MISS from the picture", _WAIT_S)
 
 
 def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same_step(
