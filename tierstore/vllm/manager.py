@@ -42,7 +42,7 @@ from vllm.v1.kv_offload.base import (
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId, group_of
+from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of
 from tierstore.vllm import metrics
 from tierstore.vllm.cluster_view import ClusterView
 from tierstore.vllm.evictor_channel import EvictorChannel
@@ -159,15 +159,13 @@ class TierStoreManager(OffloadingManager):
     def answer_hits_from_picture(self, world_size: int) -> None:
         """Start-up, scheduler thread: :class:`~tierstore.connector.TierStoreConnector`
         calls this when a failed load recomputes its request. From then on (config
-        ``hits_from_picture``), a chunk the fresh picture shows on some node is a HIT at
-        once, loadable by each of the engine's ``world_size`` ranks from its nearest
-        copy (memory first, this node first); its lease is asked for in the same step.
+        ``hits_from_picture``), a chunk the fresh picture shows in some node's memory is
+        a HIT at once, loadable by each of the engine's ``world_size`` ranks from that
+        copy (this node's first); its lease is asked for in the same step.
         The request is scheduled a step sooner (the Evictor's round trip lands during the
         step's forward). A chunk gone in between is read from another copy the Evictor
         names, or its load fails and the request recomputes: a lost hit, never wrong bytes
-        (every load is verified). So does a disk copy found at start-up and damaged while
-        its node was down: asked first, it would have been a clean miss (verified by its
-        promotion)."""
+        (every load is verified)."""
         with self._lock:
             self._picture_ranks = world_size if self._cfg.hits_from_picture else 0
 
@@ -177,7 +175,10 @@ class TierStoreManager(OffloadingManager):
         if not self._picture_ranks or ctx.load_tier_filter is not TierFilter.ALL:
             return False
         copy = self._view.nearest(key, now, self._local_node)
-        if copy is None:
+        if copy is None or copy[1] is not TierName.CPU:
+            # On disk only: asked, as the lookup starts its promotion, and the load a
+            # step later mostly finds it in memory. Loaded at once, it raced the
+            # promotion through the object store: disk hits waited 35-42 ms, not 20-23.
             return False
         node, tier = copy
         where = dict.fromkeys(range(self._picture_ranks), node)
