@@ -74,7 +74,7 @@ def _plan(
     mode: str,
     disk_path: Path,
     namespace: str = NAMESPACE,
-    overrides: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``overrides``: tierstore config keys for the tierstore engine (``--set``)."""
     engine: dict[str, Any] = {
@@ -101,6 +101,16 @@ def _plan(
         "workloads": setup["workloads"],
         "tierstore_namespace": namespace if mode == "tierstore" else None,
     }
+
+
+def _override(item: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--set``: the value as JSON (``false``, ``0``), else as text
+    (``4GiB``); the tierstore engine's config validates it."""
+    key, _, text = item.partition("=")
+    try:
+        return key, json.loads(text)
+    except ValueError:
+        return key, text
 
 
 def run_order(passes: int) -> list[tuple[str, int]]:
@@ -266,7 +276,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
     binding = omp_binding()
-    overrides = dict(item.split("=", 1) for item in getattr(args, "set", None) or [])
+    overrides = dict(_override(item) for item in getattr(args, "set", None) or [])
     work = args.out / f"e2e-{choice}-work"
     work.mkdir(parents=True, exist_ok=True)
     with (
