@@ -9,9 +9,10 @@ it could be scheduled (7-9 ms on an idle CPU engine; a whole forward step on a b
 one). The picture is a snapshot of the index followed by the Evictor's event log, and
 is trusted only while it is fresh (``presence_max_age_ms`` since the poll it reflects
 was sent): a chunk another engine stored since then reads as absent and is recomputed,
-a lost hit and never wrong output. Whatever breaks the chain (the log wrapped past this reader, the Evictor
-restarted) drops the picture until a new snapshot lands; meanwhile, and whenever the
-picture is stale (an idle scheduler polls nothing), every key is asked as before.
+a lost hit and never wrong output. Whatever breaks the chain (the log wrapped past this
+reader, the Evictor restarted) drops the picture until a new snapshot lands; meanwhile,
+and whenever the picture is stale (an idle scheduler polls nothing), every key is asked
+as before.
 
 Polls are sent from the scheduler thread (:meth:`ClusterView.maybe_poll`) and answered on
 the Evictor channel's thread; both hold the manager's lock.
