@@ -118,3 +118,21 @@ def test_a_gap_in_the_log_drops_the_picture_until_a_new_snapshot() -> None:
         view.maybe_poll(0.3)  # a snapshot again
         channel.answer("events", EventBatch(2, 0, [event(A, CPU, False, 1)], gap.epoch))
         assert view.absent(key(2), 0.31) and not view.absent(key(1), 0.31)
+
+
+def test_a_cache_reset_drops_the_picture_and_any_snapshot_asked_before_it() -> None:
+    """A reset forgets the chunks this engine just stored; a picture polled before their
+    commits landed would answer them MISS, so it goes, and so does one still in flight."""
+    view, channel = _view()
+    view.maybe_poll(0.0)
+    channel.answer("events", EventBatch(5, 0, [], "e1"))
+    assert view.absent(key(1), 0.05)
+    view.drop(0.06)
+    assert not view.absent(key(1), 0.07) and view.nearest(key(1), 0.07, A) is None
+    view.maybe_poll(0.1)  # a snapshot, answered after the next reset
+    view.drop(0.12)
+    channel.answer("events", EventBatch(6, 0, [], "e1"))
+    assert not view.absent(key(1), 0.13)
+    view.maybe_poll(0.2)
+    channel.answer("events", EventBatch(7, 0, [event(A, CPU, False, 1)], "e1"))
+    assert view.absent(key(2), 0.21) and view.nearest(key(1), 0.21, A) == (A, CPU)

@@ -107,6 +107,7 @@ class ClusterView:
         self._events_period_s = max_age_s / 2 if max_age_s else STATUS_PERIOD_S
         self._presence: Presence | None = None  # None: none trusted (not built, broken)
         self._refreshed_at = float("-inf")  # when the poll the picture reflects was sent
+        self._dropped_at = float("-inf")  # a snapshot sent before this is not trusted
         self._seq = 0
         self._epoch = ""
         self._due = {"status": 0.0, "events": 0.0}
@@ -114,6 +115,14 @@ class ClusterView:
 
     def close(self) -> None:
         self._channel.close()
+
+    def drop(self, now: float) -> None:
+        """Scheduler thread (the engine's cache reset): forget the picture; every key is
+        asked until a snapshot sent after ``now`` lands. A reset also forgets which
+        chunks this engine just stored, the guard that kept a picture polled before
+        their commits from answering them MISS."""
+        self._presence = None
+        self._dropped_at = now
 
     def absent(self, key: ChunkKey, now: float) -> bool:
         """No node held ``key`` as of a picture at most ``max_age_s`` old."""
@@ -174,7 +183,7 @@ class ClusterView:
             presence.apply(batch.events)
         with self._lock:
             self._in_flight.discard("events")
-            if batch is None:
+            if batch is None or sent_at < self._dropped_at:
                 return
             self._presence, self._refreshed_at = presence, sent_at
             self._seq, self._epoch = batch.next_seq, batch.epoch

@@ -384,6 +384,7 @@ class TierStoreManager(OffloadingManager):
             self._storing.clear()
             self._known_stored.clear()
             self._job_started.clear()
+            self._view.drop(time.monotonic())
 
     def on_reset_flushed(self) -> None:  # vLLM 0.33 hook; nothing is slot-based here
         return
