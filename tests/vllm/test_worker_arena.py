@@ -5,6 +5,7 @@ them, else pinned)."""
 
 from __future__ import annotations
 
+import pytest
 import ray
 import torch
 from tierstore.actors.bootstrap import find_node_store
@@ -14,6 +15,7 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 from tests.support import poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _worker
 from tierstore.config import TierStoreConfig
+from tierstore.data import fused_copy
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaMapping
@@ -45,7 +47,20 @@ def _node_store() -> NodeStoreClient:
     return NodeStoreClient(find_node_store("tierstore-actor-tests", node), node)
 
 
-def test_a_store_and_a_load_go_through_the_arena_byte_exact(cfg: TierStoreConfig) -> None:
+@pytest.fixture(params=["fused", "numpy"])
+def scatter_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How a same-node load verifies and copies: in one pass (C, jobs from
+    ``fused_copy.MIN_BYTES`` on) or hash first, then copy (numpy); these jobs are small,
+    so the threshold is moved to take each path."""
+    if request.param == "fused" and not fused_copy.available():
+        pytest.skip("the C module is not built")
+    monkeypatch.setattr(fused_copy, "MIN_BYTES", 0 if request.param == "fused" else 1 << 62)
+    return request.param
+
+
+def test_a_store_and_a_load_go_through_the_arena_byte_exact(
+    cfg: TierStoreConfig, scatter_path: str
+) -> None:
     kv = _kv()
     original = [t.clone() for t in kv]
     worker = _worker(cfg, kv)
@@ -152,7 +167,7 @@ def test_another_engine_on_the_node_loads_the_shards_unpinned_from_the_arena_dir
 
 
 def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_pinned(
-    cfg: TierStoreConfig,
+    cfg: TierStoreConfig, scatter_path: str
 ) -> None:
     """The seqlock's second read: while the unpinned copy runs, the shard's extent is
     freed (its generation bumped, in the shared table, as the NodeStore's free does)
@@ -166,27 +181,24 @@ def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_p
     hints = arena.directory.find([ShardId(NS, k, 0) for k in keys])
     assert hints is not None, "the arena's directory does not name the shards committed"
     table = Generations(ArenaMapping(arena.info).array)  # another mapping of the file
-    mapping = ArenaMapping(arena.info).array
     first = hints[0]
-    kept = mapping[first.offset : first.offset + first.meta.nbytes].copy()
     prepare = worker._copier.prepare_scatter
     tampered = []
 
     def prepare_tampered(*args, **kwargs):
         scatter = prepare(*args, **kwargs)
-        copy = scatter._from_extents
+        copy = scatter.from_verified_extents
 
-        def freed_and_rewritten_meanwhile(view, runs) -> None:
-            if not tampered:  # the first try: the unpinned one
-                table.bump(first.offset)
-                mapping[first.offset : first.offset + first.meta.nbytes] = 7
+        def freed_and_rewritten_meanwhile(view, chunks, extents) -> bool:
+            verified = copy(view, chunks, extents)  # hashed the shard's bytes, then...
+            if not tampered:  # the first try, the unpinned one: ...freed and rewritten
+                table.bump(first.offset)  # before the copy read it: other bytes landed
+                for t in kv:
+                    t[20:25] = 7
                 tampered.append(True)
-                copy(view, runs)  # copies the other bytes
-                mapping[first.offset : first.offset + first.meta.nbytes] = kept
-            else:
-                copy(view, runs)
+            return verified
 
-        scatter._from_extents = freed_and_rewritten_meanwhile
+        scatter.from_verified_extents = freed_and_rewritten_meanwhile
         return scatter
 
     worker._copier.prepare_scatter = prepare_tampered
@@ -206,10 +218,14 @@ def test_an_extent_freed_and_rewritten_during_an_unpinned_copy_is_loaded_again_p
     worker.shutdown()
 
 
-def test_a_corrupt_extent_fails_the_load_and_is_never_scattered(cfg: TierStoreConfig) -> None:
+def test_a_corrupt_extent_fails_the_load_and_is_never_reported_done(
+    cfg: TierStoreConfig, scatter_path: str
+) -> None:
     """A shard whose extent changed after its commit fails the same-node load's check
-    (nothing is copied) and the object store's again: the job is reported failed (its
-    request recomputes), never done, and no byte reached the KV cache."""
+    and the object store's again: the job is reported failed (its request recomputes),
+    never done. The corrupt shard's bytes may have reached its blocks (the one-pass
+    verified scatter hashes each piece right after copying it), and those of the shard
+    before it are the right ones."""
     kv = _kv()
     worker = _worker(cfg, kv)
     _store(worker, 1, 0)
@@ -217,11 +233,9 @@ def test_a_corrupt_extent_fails_the_load_and_is_never_scattered(cfg: TierStoreCo
     keys = _store(worker, 2, 10)
     assert worker.arena.arena_stores >= 1
     _node_store().corrupt_in_memory_for_test(NS, keys[1], 0).result()
-    before = [t.clone() for t in kv]
     worker.submit_load(3, _load_spec(cfg, keys), DST)
     worker.wait({3})
     assert worker.get_finished() == [TransferResult(3, False)]
-    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
     assert worker.arena.arena_rejected == 1 and worker.arena.arena_loads == 0
     stats = _node_store().status().result()["stats"]
     assert stats["corrupt_after_hit"] == 1

@@ -8,9 +8,11 @@ NodeStore, batched with others (:mod:`tierstore.vllm.commit_queue`), answered la
 the NodeStore adopts the extents as they are, no copy, no second hash. A same-node load
 (of shards any worker of the node stored) finds their extents in the arena's directory
 (:mod:`tierstore.data.arena.directory`) and reads them with no round trip: generation,
-digest, copy, generation again (:mod:`tierstore.data.arena.generations`); if one is
-not there, or that check fails, it pins the extents, verifies each digest in the
-mapping, scatters straight from it, then unpins (one-way, from another thread).
+digest and copy (one pass on the host: :mod:`tierstore.data.fused_copy`), generation
+again (:mod:`tierstore.data.arena.generations`); if one is not there, or that check
+fails, it pins the extents, verifies each digest in the mapping as it scatters straight
+from it, then unpins (one-way, from another thread). Nothing reports a load done before
+every digest matched.
 
 Whenever this path cannot serve a job (no arena yet or at all, an empty pool, shards
 on another node or not in memory, a copier that cannot copy in place), the caller
@@ -296,16 +298,16 @@ class ArenaJobs:
     def _verified_scatter(
         view: np.ndarray, plan: JobPlan, shards: list[tuple[int, ShardMeta]], scatter: Scatter
     ) -> bool:
-        """Verify the shards' extents ``(offset, meta)`` (size, slots, digest), then copy
-        them into the load's blocks; False (and nothing copied) if one does not fit the
-        plan or fails its digest."""
+        """Check the shards' extents ``(offset, meta)`` (size, slots, digest) and copy
+        them into the load's blocks; False if one does not fit the plan (nothing copied)
+        or fails its digest (its blocks may hold some of its bytes: never reported
+        loaded)."""
         for chunk, (_, meta) in zip(plan.chunks, shards, strict=True):
             if meta.nbytes != chunk.nbytes or chunk.slot_mask & ~meta.slot_mask:
                 return False
-        if any(digest(view[at : at + m.nbytes]) != m.digest for at, m in shards):
-            return False
-        scatter.from_extents(view, runs_of(plan.chunks, [at for at, _ in shards]))
-        return True
+        return scatter.from_verified_extents(
+            view, plan.chunks, [(at, meta.digest) for at, meta in shards]
+        )
 
     def close(self) -> None:
         arena, self._arena = self._arena, None

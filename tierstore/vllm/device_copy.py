@@ -39,13 +39,19 @@ from typing import Protocol
 
 import numpy as np
 
+from tierstore.data import fused_copy
+from tierstore.data.checksum import digest
 from tierstore.data.copy_plan import CopyPlan, CopyPlanner, window
-from tierstore.data.extent_copy import Run, gather_into, scatter_from
+from tierstore.data.extent_copy import Run, gather_into, runs_of, scatter_from
 from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.host_copy import HostExecutor
-from tierstore.data.layout import ChunkLayout, JobPlan
+from tierstore.data.layout import ChunkLayout, ChunkPlacement, JobPlan
 
 FromExtents = Callable[[np.ndarray, Sequence[Run]], None]
+# (arena, the job's chunks, per chunk its extent's (arena offset, digest)) -> verified
+FromVerifiedExtents = Callable[
+    [np.ndarray, Sequence[ChunkPlacement], Sequence[tuple[int, int]]], bool
+]
 
 
 class Scatter:
@@ -58,9 +64,11 @@ class Scatter:
         from_extents: FromExtents | None = None,
         from_pieces: Callable[[Sequence[tuple[int, np.ndarray]]], None] | None = None,
         on_caller: bool = False,
+        from_verified_extents: FromVerifiedExtents | None = None,
     ) -> None:
         self._run = run
         self._from_extents = from_extents
+        self._from_verified_extents = from_verified_extents
         self._from_pieces = from_pieces
         # The copies run on the calling thread, as plain memory work (the host
         # executor), not as a device copy the caller waits for: a small one may run at
@@ -82,6 +90,25 @@ class Scatter:
         if self._from_extents is None:
             raise NotImplementedError("this copier scatters from one buffer only")
         self._from_extents(arena, runs)
+
+    def from_verified_extents(
+        self,
+        arena: np.ndarray,
+        chunks: Sequence[ChunkPlacement],
+        extents: Sequence[tuple[int, int]],
+    ) -> bool:
+        """Check each chunk's extent ``(arena offset, digest)`` (xxh3 of its
+        ``chunk.nbytes``) and scatter the job straight from them. False if a digest
+        differs: some blocks may then hold bytes of this try (the host copier hashes each
+        piece right after copying it, :mod:`tierstore.data.fused_copy`), so the caller
+        fails the load or tries again, and never reports it done."""
+        if self._from_verified_extents is not None:
+            return self._from_verified_extents(arena, chunks, extents)
+        for chunk, (at, want) in zip(chunks, extents, strict=True):
+            if digest(arena[at : at + chunk.nbytes]) != want:
+                return False
+        self.from_extents(arena, runs_of(chunks, [at for at, _ in extents]))
+        return True
 
     @property
     def pieces_in_place(self) -> bool:
@@ -210,12 +237,29 @@ class HostCopier(DeviceCopier):
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False
     ) -> Scatter:
         copy_plan = self.planner.build(plan, block_ids)
+        fused = fused_copy.available() and copy_plan.nbytes >= fused_copy.MIN_BYTES
         return Scatter(
             functools.partial(self._executor.scatter, copy_plan),
             functools.partial(scatter_from, self._executor, copy_plan),
             from_pieces=functools.partial(_scatter_pieces, self._executor, copy_plan),
             on_caller=True,
+            from_verified_extents=functools.partial(self._fused, copy_plan) if fused else None,
         )
+
+    def _fused(
+        self,
+        copy_plan: CopyPlan,
+        arena: np.ndarray,
+        chunks: Sequence[ChunkPlacement],
+        extents: Sequence[tuple[int, int]],
+    ) -> bool:
+        """Verify and scatter in one pass (:mod:`tierstore.data.fused_copy`)."""
+        shards = [
+            fused_copy.ShardExtent(c.offset, c.nbytes, at, want)
+            for c, (at, want) in zip(chunks, extents, strict=True)
+        ]
+        runs = self.planner.dma_runs(copy_plan)
+        return fused_copy.scatter_verified(arena, shards, runs) == fused_copy.OK
 
 
 def _scatter_pieces(
