@@ -75,9 +75,9 @@ def test_absent_only_with_a_fresh_picture() -> None:
     assert not view.absent(key(2), 0.2) and view.absent(key(3), 0.3)
 
 
-def test_nearest_copy_is_in_memory_first_then_on_the_asking_node() -> None:
+def test_a_copy_in_memory_is_found_on_the_asking_node_first() -> None:
     view, channel = _view()
-    assert view.nearest(key(1), 0.0, A) is None  # no picture yet
+    assert view.in_memory(key(1), 0.0, A) is None  # no picture yet
     view.maybe_poll(0.0)
     batch = [
         event(A, DISK, False, 1, 2),
@@ -86,15 +86,14 @@ def test_nearest_copy_is_in_memory_first_then_on_the_asking_node() -> None:
         event(B, DISK, False, 2, 4),
     ]
     channel.answer("events", EventBatch(4, 0, batch, "e1"))
-    assert view.nearest(key(1), 0.1, A) == (B, CPU)  # memory elsewhere before A's disk
-    assert view.nearest(key(2), 0.1, A) == (A, DISK) and view.nearest(key(2), 0.1, B) == (B, DISK)
-    assert view.nearest(key(3), 0.1, A) == (A, CPU) and view.nearest(key(3), 0.1, B) == (B, CPU)
-    assert view.nearest(key(4), 0.1, A) == (B, DISK)
-    assert view.nearest(key(9), 0.1, A) is None
-    assert view.nearest(key(3), AGE_S + 0.01, A) is None  # stale: asked
+    assert view.in_memory(key(1), 0.1, A) == B  # memory elsewhere, not A's disk
+    assert view.in_memory(key(2), 0.1, A) is None  # on disk only: asked
+    assert view.in_memory(key(3), 0.1, A) == A and view.in_memory(key(3), 0.1, B) == B
+    assert view.in_memory(key(9), 0.1, A) is None
+    assert view.in_memory(key(3), AGE_S + 0.01, A) is None  # stale: asked
     view.maybe_poll(0.15)
     channel.answer("events", EventBatch(5, 0, [event(B, CPU, True, 1)], "e1"))
-    assert view.nearest(key(1), 0.2, A) == (A, DISK)
+    assert view.in_memory(key(1), 0.2, A) is None
 
 
 def test_a_failed_poll_leaves_the_picture_to_age_out() -> None:
@@ -128,11 +127,11 @@ def test_a_cache_reset_drops_the_picture_and_any_snapshot_asked_before_it() -> N
     channel.answer("events", EventBatch(5, 0, [], "e1"))
     assert view.absent(key(1), 0.05)
     view.drop(0.06)
-    assert not view.absent(key(1), 0.07) and view.nearest(key(1), 0.07, A) is None
+    assert not view.absent(key(1), 0.07) and view.in_memory(key(1), 0.07, A) is None
     view.maybe_poll(0.1)  # a snapshot, answered after the next reset
     view.drop(0.12)
     channel.answer("events", EventBatch(6, 0, [], "e1"))
     assert not view.absent(key(1), 0.13)
     view.maybe_poll(0.2)
     channel.answer("events", EventBatch(7, 0, [event(A, CPU, False, 1)], "e1"))
-    assert view.absent(key(2), 0.21) and view.nearest(key(1), 0.21, A) == (A, CPU)
+    assert view.absent(key(2), 0.21) and view.in_memory(key(1), 0.21, A) == A

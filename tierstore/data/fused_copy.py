@@ -43,6 +43,7 @@ BAD_RUNS = -2
 # cold cache the two are within 15 % up to 2 MiB, and fused wins from 4 MiB on.
 MIN_BYTES = 4 << 20
 
+
 class _Native:
     """The C function with the xxhash binding's streaming XXH3 functions to call."""
 

@@ -53,18 +53,18 @@ class Presence:
     def __len__(self) -> int:
         return len(self._copies)
 
-    def nearest(self, key: ChunkKey, prefer: NodeId | None) -> tuple[NodeId, TierName] | None:
-        """The copy of ``key`` a load reads fastest: in memory before on disk, on
-        ``prefer`` (the asking engine's node) before elsewhere; None if none."""
+    def in_memory(self, key: ChunkKey, prefer: NodeId | None) -> NodeId | None:
+        """A node holding ``key`` in memory, ``prefer`` (the asking engine's node) if it
+        does; None if no node does."""
         copies = self._copies.get(key, 0)
-        best, best_rank = None, 4
+        found = None
         if copies:
-            for where, bit in self._bits.items():
-                if copies & bit:
-                    rank = 2 * (where[1] is not TierName.CPU) + (where[0] != prefer)
-                    if rank < best_rank:
-                        best, best_rank = where, rank
-        return best
+            for (node, tier), bit in self._bits.items():
+                if copies & bit and tier is TierName.CPU:
+                    if node == prefer:
+                        return node
+                    found = node
+        return found
 
     def apply(self, events: Iterable[ResidencyEvent]) -> None:
         copies = self._copies
@@ -133,15 +133,13 @@ class ClusterView:
             and key not in presence
         )
 
-    def nearest(
-        self, key: ChunkKey, now: float, prefer: NodeId | None
-    ) -> tuple[NodeId, TierName] | None:
-        """The copy of ``key`` nearest ``prefer`` (this engine's node; memory first) as of
+    def in_memory(self, key: ChunkKey, now: float, prefer: NodeId | None) -> NodeId | None:
+        """A node holding ``key`` in memory (``prefer``, this engine's node, first) as of
         a picture at most ``max_age_s`` old, or None: none, or no fresh picture."""
         presence = self._presence
         if presence is None or now - self._refreshed_at > self._max_age_s:
             return None
-        return presence.nearest(key, prefer)
+        return presence.in_memory(key, prefer)
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:

@@ -174,16 +174,15 @@ class TierStoreManager(OffloadingManager):
     ) -> bool:
         if not self._picture_ranks or ctx.load_tier_filter is not TierFilter.ALL:
             return False
-        copy = self._view.nearest(key, now, self._local_node)
-        if copy is None or copy[1] is not TierName.CPU:
+        node = self._view.in_memory(key, now, self._local_node)
+        if node is None:
             # On disk only: asked, as the lookup starts its promotion, and the load a
             # step later mostly finds it in memory. Loaded at once, it raced the
             # promotion through the object store: disk hits waited 35-42 ms, not 20-23.
             return False
-        node, tier = copy
         where = dict.fromkeys(range(self._picture_ranks), node)
-        state.guess(key, where, tier, now, self._cfg.presence_max_age_ms / 1000)
-        self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
+        state.guess(key, where, now, self._cfg.presence_max_age_ms / 1000)
+        self._metrics.count(metrics.LOOKUP_HITS, tier=TierName.CPU)
         self._metrics.count(metrics.PICTURE_HITS)
         return True
 

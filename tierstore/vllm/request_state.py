@@ -100,14 +100,12 @@ class RequestState:
         self.in_flight.discard(key)
         self.answers[key] = Answer(LookupState.PENDING, None, now + PENDING_RETRY_S)
 
-    def guess(
-        self, key: ChunkKey, where: dict[int, NodeId], tier: TierName, now: float, ttl_s: float
-    ) -> None:
-        """A HIT from the picture for a ``key`` just asked: loadable from ``where`` (its
-        ``tier``) now; the Evictor's answer, when it lands, replaces it (and its lease is
+    def guess(self, key: ChunkKey, where: dict[int, NodeId], now: float, ttl_s: float) -> None:
+        """A HIT from the picture for a ``key`` just asked: loadable from memory on
+        ``where`` now; the Evictor's answer, when it lands, replaces it (and its lease is
         then held)."""
         self.guessed.add(key)
-        self.answers[key] = Answer(LookupState.HIT, where, now + ttl_s, tier)
+        self.answers[key] = Answer(LookupState.HIT, where, now + ttl_s, TierName.CPU)
 
     def was_guessed(self, key: ChunkKey) -> bool:
         """Whether ``key``'s HIT came from the picture; asked once, as its answer lands."""
