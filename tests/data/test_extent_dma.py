@@ -55,6 +55,17 @@ def _dma_scatter(layout, plan, ids, arena, runs, cut_every: int) -> None:
     _execute(dma, arena, to_arena=False)
 
 
+def job_in_extents(name: str, bpc: int, seed: int):  # type: ignore[no-untyped-def]
+    """A random job of geometry ``name`` and its chunks' extents, apart and out of
+    order, in an arena of ``4 * plan.nbytes + 40_000`` bytes."""
+    kv, layout = _case(name, bpc, seed=seed)
+    rng = np.random.default_rng(seed)
+    sizes, indices, ids = _job(len(layout.groups), rng, 24)
+    plan = layout.plan(sizes, indices)
+    offsets = _extents(plan.chunks, rng, 4 * plan.nbytes + 40_000)
+    return kv, layout, plan, ids, offsets, rng
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     name=st.sampled_from(sorted(GEOMETRIES)),
@@ -65,12 +76,8 @@ def _dma_scatter(layout, plan, ids, arena, runs, cut_every: int) -> None:
 def test_descriptors_into_extents_match_the_host_copies_byte_for_byte(
     name: str, bpc: int, seed: int, cut_every: int
 ) -> None:
-    kv, layout = _case(name, bpc, seed=seed)
-    rng = np.random.default_rng(seed)
-    sizes, indices, ids = _job(len(layout.groups), rng, 24)
-    plan = layout.plan(sizes, indices)
+    kv, layout, plan, ids, offsets, rng = job_in_extents(name, bpc, seed)
     arena_bytes = 4 * plan.nbytes + 40_000
-    offsets = _extents(plan.chunks, rng, arena_bytes)
     runs = runs_of(plan.chunks, offsets)
 
     # Gather: every arena byte as the host executor leaves it (0xCD between extents).

@@ -12,8 +12,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.data.test_copy_plan import GEOMETRIES, _case, _job
-from tests.data.test_extent_copy import _extents
+from tests.data.test_copy_plan import GEOMETRIES
+from tests.data.test_extent_dma import job_in_extents
 from tierstore.data import fused_copy
 from tierstore.data.copy_plan import DmaRuns
 from tierstore.data.extent_copy import runs_of
@@ -42,13 +42,8 @@ def test_the_install_built_the_c_module_and_it_passed_its_probe() -> None:
 def test_verified_scatter_matches_hash_then_scatter_byte_for_byte(
     name: str, bpc: int, seed: int, bad: int
 ) -> None:
-    kv, layout = _case(name, bpc, seed=seed)
-    rng = np.random.default_rng(seed)
-    sizes, indices, ids = _job(len(layout.groups), rng, 24)
-    plan = layout.plan(sizes, indices)
-    arena_bytes = 4 * plan.nbytes + 40_000
-    offsets = _extents(plan.chunks, rng, arena_bytes)
-    arena = rng.integers(0, 256, arena_bytes, dtype=np.uint8)
+    kv, layout, plan, ids, offsets, rng = job_in_extents(name, bpc, seed)
+    arena = rng.integers(0, 256, 4 * plan.nbytes + 40_000, dtype=np.uint8)
     digests = [
         xxhash.xxh3_64_intdigest(arena[at : at + c.nbytes])
         for c, at in zip(plan.chunks, offsets, strict=True)
