@@ -187,14 +187,16 @@ def fill_disk(root: Path, hold_s: float, out: Injected) -> None:
     filler = root / "soak-filler"
     stat = os.statvfs(root)
     free = stat.f_bavail * stat.f_frsize
-    with open(filler, "wb") as f:
+    # Unbuffered: a buffered file would flush what did not fit once more at close, and
+    # that ENOSPC escaped this function (seen in CI as an injector error).
+    with open(filler, "wb", buffering=0) as f:
         try:
             os.posix_fallocate(f.fileno(), 0, free)
         except OSError:
             pass
         try:  # whatever fallocate left (tmpfs rounds to pages): until ENOSPC
             while f.write(b"\0" * 65536):
-                f.flush()
+                pass
         except OSError:
             pass
     stat = os.statvfs(root)
