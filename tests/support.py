@@ -3,9 +3,11 @@ free ports, polling."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +33,13 @@ FAST_HEALTH_CHECKS = {
 # (controlplane benchmark under full load: p50 156 ms), which would turn hits into
 # correct but unasserted recomputes. The deadline itself: tests/vllm/test_lookup_deadline.py.
 E2E_LOOKUP_TIMEOUT_MS = 10_000.0
+
+
+def can_build_c() -> bool:
+    """Whether ``pip install`` here compiles tierstore's optional C module: a C compiler
+    and Python's headers."""
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    return shutil.which("cc") is not None and headers.exists()
 
 
 def init_local_ray(namespace: str) -> str:

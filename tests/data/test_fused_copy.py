@@ -3,8 +3,6 @@ geometry, the same verdict on every digest, and bad copy runs refused."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +12,7 @@ from hypothesis import strategies as st
 
 from tests.data.test_copy_plan import GEOMETRIES
 from tests.data.test_extent_dma import job_in_extents
+from tests.support import can_build_c
 from tierstore.data import fused_copy
 from tierstore.data.copy_plan import DmaRuns
 from tierstore.data.extent_copy import runs_of
@@ -24,7 +23,7 @@ from tierstore.vllm.device_copy import HostCopier
 needs_c = pytest.mark.skipif(not fused_copy.available(), reason="the C module is not built")
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler to build it with")
+@pytest.mark.skipif(not can_build_c(), reason="no C compiler or Python headers to build it")
 def test_the_install_built_the_c_module_and_it_passed_its_probe() -> None:
     """``pip install`` builds it where a compiler exists (``deploy/setup.sh``); the loads'
     speed depends on it, so a build that silently fell back is a failure here."""

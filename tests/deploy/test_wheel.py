@@ -3,11 +3,12 @@ inside it: no top-level ``actors`` or ``deploy`` (other distributions own those 
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tests.support import can_build_c
 
 REPO = Path(__file__).resolve().parents[2]
 # repository folder -> the package it installs as
@@ -49,5 +50,5 @@ def test_wheel_has_one_top_level_package_holding_every_module(tmp_path: Path) ->
     }
     missing = sorted(expected - set(names))
     assert not missing, f"modules left out of the wheel (add their package to pyproject): {missing}"
-    if shutil.which("cc"):  # the verified arena scatter in C (optional without a compiler)
+    if can_build_c():  # the verified arena scatter in C (optional without a compiler)
         assert any(n.startswith("tierstore/data/_fused_copy.") for n in names), names
