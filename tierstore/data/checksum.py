@@ -24,10 +24,17 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 NATIVE_MIN_BYTES = 64 << 10
 
 
+def binding_library() -> ctypes.CDLL:
+    """The ``xxhash`` binding's extension as a C library: it exports the XXH3 functions
+    (one-shot here, streaming in :mod:`tierstore.data.fused_copy`). Raises OSError or
+    AttributeError where it cannot be loaded so."""
+    return ctypes.CDLL(xxhash._xxhash.__file__)  # type: ignore[attr-defined]
+
+
 def _load_native() -> Callable[[int, int], int] | None:
     """The extension's ``XXH3_64bits(ptr, len)``, if it is there and agrees."""
     try:
-        lib = ctypes.CDLL(xxhash._xxhash.__file__)  # type: ignore[attr-defined]
+        lib = binding_library()
         native = getattr(lib, "XXH3_64bits_dispatch", None) or lib.XXH3_64bits
     except (OSError, AttributeError):
         logger.info("xxh3 through the binding only (its C function is not exported)")

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from tierstore.data.checksum import binding_library
 from tierstore.data.copy_plan import DmaRuns
 
 logger = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def _load() -> _Native | None:
         from tierstore.data import _fused_copy  # type: ignore[attr-defined]
 
         lib = ctypes.CDLL(_fused_copy.__file__)
-        native = _Native(lib, ctypes.CDLL(xxhash._xxhash.__file__))  # type: ignore[attr-defined]
+        native = _Native(lib, binding_library())
     except (ImportError, OSError, AttributeError) as exc:
         logger.info("verified scatter in numpy (the C module is not there: %s)", exc)
         return None
