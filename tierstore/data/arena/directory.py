@@ -87,6 +87,7 @@ class ShardDirectory:
         start = self.extents_bytes
         self._entries = region[start : start + self.nbytes].view(np.uint64).reshape(-1, _WORDS)
         self._mask = len(self._entries) - 1
+        self._words = memoryview(self._entries.reshape(-1))  # uint64 words, read as ints
 
     def record(self, shard_id: ShardId, offset: int, meta: ShardMeta, generation: int) -> None:
         """NodeStore, under its tier's lock (one writer at a time): ``shard_id`` is held
@@ -103,17 +104,17 @@ class ShardDirectory:
 
     def find(self, shard_ids: Sequence[ShardId]) -> list[Located] | None:
         """Any process mapping the arena: where each shard was last recorded, or None if
-        one of them has no whole entry of its own."""
-        hashes = [_hash(s) for s in shard_ids]
-        slots = np.fromiter((lo & self._mask for _, lo in hashes), np.int64, len(hashes))
-        before = self._entries[slots, _SEQ]  # seq first, then the fields, then seq again
-        fields = self._entries[slots]
-        after = self._entries[slots, _SEQ]
-        if np.any(before != after) or np.any(before & np.uint64(1)):
-            return None
-        found = []
-        for (hi, lo), row in zip(hashes, fields.tolist(), strict=True):
-            if row[_HASH_HI] != hi or row[_HASH_LO] != lo:
+        one of them has no whole entry of its own.
+
+        Word by word through a memoryview: a job's few entries cost ~1 us each this way,
+        against ~50 us of small numpy operations for one entry on this machine."""
+        words, found = self._words, []
+        for shard_id in shard_ids:
+            hi, lo = _hash(shard_id)
+            at = (lo & self._mask) * _WORDS
+            seq = words[at]  # seq first, then the fields, then seq again
+            row = words[at : at + _WORDS].tolist()
+            if seq & 1 or words[at] != seq or row[_HASH_HI] != hi or row[_HASH_LO] != lo:
                 return None
             meta = ShardMeta(row[_NBYTES], row[_DIGEST], _decode_slots(row[_SLOTS]))
             found.append(Located(row[_OFFSET], meta, row[_GENERATION]))

@@ -47,6 +47,7 @@ class Generations:
         self.extents_bytes = len(region) - self.nbytes  # the region before the table
         self._counts = region[len(region) - self.nbytes :].view(np.uint64)
         self._shift = 64 - (len(self._counts).bit_length() - 1)
+        self._words = memoryview(self._counts)  # read as ints: no numpy call per read
 
     def _slot(self, offset: int) -> int:
         return ((offset * _FIBONACCI) & _MASK64) >> self._shift  # the product's top bits
@@ -58,4 +59,5 @@ class Generations:
 
     def read(self, offsets: Sequence[int]) -> list[int]:
         """Each extent's current generation (any thread, any process mapping the arena)."""
-        return [int(self._counts[self._slot(offset)]) for offset in offsets]
+        words, shift = self._words, self._shift
+        return [words[((offset * _FIBONACCI) & _MASK64) >> shift] for offset in offsets]
