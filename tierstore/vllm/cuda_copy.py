@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from tierstore.data.copy_plan import DmaRuns, fill_descriptors
-from tierstore.data.extent_copy import Run
+from tierstore.data.extent_copy import Run, runs_of
 from tierstore.data.extent_dma import arena_ranges, arena_runs
 from tierstore.data.host_buffers import HostBuffers
 from tierstore.data.layout import ChunkLayout, JobPlan
@@ -73,10 +73,11 @@ class CudaCopier(DeviceCopier):
         return Gathered(out, copy)
 
     def gather_into(
-        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
+        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, offsets: Sequence[int]
     ) -> Gathered:
         """Model-runner thread: one copy, device -> the job's granted extents; the slots
         it does not fill are cleared on the host first (nothing else writes them)."""
+        runs = runs_of(plan.chunks, offsets)
         copy_plan = self.planner.build(plan, block_ids)
         nbytes = copy_plan.nbytes
         for at, n in arena_ranges(copy_plan.zeros, runs, nbytes, arena.nbytes):

@@ -145,10 +145,14 @@ class Gathered:
         buffer: np.ndarray,
         copy: DeviceCopy | None,
         seconds: float = 0.0,
+        digests: list[int] | None = None,
     ) -> None:
         self._buffer = buffer
         self._copy = copy
         self._seconds = seconds
+        # Each chunk's xxh3-64 where the copy computed them (the host's C walk); else
+        # the commit thread hashes the extents.
+        self.digests = digests
 
     def __call__(self) -> np.ndarray:
         """The job's bytes once copied; from then on the source blocks may be overwritten."""
@@ -203,9 +207,10 @@ class DeviceCopier(ABC):
         return None
 
     def gather_into(
-        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
+        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, offsets: Sequence[int]
     ) -> Gathered:
-        """Model-runner thread: copy the job's pages straight into its arena extents."""
+        """Model-runner thread: copy the job's pages straight into its chunks' arena
+        extents (at ``offsets``)."""
         raise NotImplementedError(f"{type(self).__name__} gathers into its own buffers only")
 
 
@@ -216,6 +221,7 @@ class HostCopier(DeviceCopier):
         super().__init__(layout)
         self._executor = HostExecutor(layout)
         self._buffers = HostBuffers(lambda n: np.empty(n, dtype=np.uint8))
+        self._tables = fused_copy.PlanTables(layout) if fused_copy.available() else None
 
     def gather(self, plan: JobPlan, block_ids: np.ndarray) -> Gathered:
         started = time.perf_counter()
@@ -227,39 +233,61 @@ class HostCopier(DeviceCopier):
     in_place = True
 
     def gather_into(
-        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, runs: Sequence[Run]
+        self, plan: JobPlan, block_ids: np.ndarray, arena: np.ndarray, offsets: Sequence[int]
     ) -> Gathered:
         started = time.perf_counter()
-        gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
-        return Gathered(EMPTY_BUFFER, None, time.perf_counter() - started)
+        digests = None
+        if self._walks(plan):  # hashed as copied: the commit needs no second pass
+            digests = fused_copy.gather_hashed(arena, self._tables, plan, block_ids, offsets)
+        else:
+            runs = runs_of(plan.chunks, offsets)
+            gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
+        return Gathered(EMPTY_BUFFER, None, time.perf_counter() - started, digests)
 
     def prepare_scatter(
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False
     ) -> Scatter:
-        copy_plan = self.planner.build(plan, block_ids)
-        fused = fused_copy.available() and copy_plan.nbytes >= fused_copy.MIN_BYTES
+        walks = self._walks(plan)
+        copy_plan = _OnDemand(functools.partial(self.planner.build, plan, block_ids), not walks)
+        executor = self._executor
         return Scatter(
-            functools.partial(self._executor.scatter, copy_plan),
-            functools.partial(scatter_from, self._executor, copy_plan),
-            from_pieces=functools.partial(_scatter_pieces, self._executor, copy_plan),
+            lambda data: executor.scatter(copy_plan(), data),
+            lambda arena, runs: scatter_from(executor, copy_plan(), arena, runs),
+            from_pieces=lambda pieces: _scatter_pieces(executor, copy_plan(), pieces),
             on_caller=True,
-            from_verified_extents=functools.partial(self._fused, copy_plan) if fused else None,
+            from_verified_extents=functools.partial(self._walk, plan, block_ids) if walks else None,
         )
 
-    def _fused(
+    def _walks(self, plan: JobPlan) -> bool:
+        return self._tables is not None and plan.nbytes >= fused_copy.MIN_BYTES
+
+    def _walk(
         self,
-        copy_plan: CopyPlan,
+        plan: JobPlan,
+        block_ids: np.ndarray,
         arena: np.ndarray,
         chunks: Sequence[ChunkPlacement],
         extents: Sequence[tuple[int, int]],
     ) -> bool:
-        """Verify and scatter in one pass (:mod:`tierstore.data.fused_copy`)."""
-        shards = [
-            fused_copy.ShardExtent(c.offset, c.nbytes, at, want)
-            for c, (at, want) in zip(chunks, extents, strict=True)
-        ]
-        runs = self.planner.dma_runs(copy_plan)
-        return fused_copy.scatter_verified(arena, shards, runs) == fused_copy.OK
+        """Verify and scatter in one pass (:mod:`tierstore.data.fused_copy`); ``chunks``
+        are the plan's."""
+        assert chunks is plan.chunks or tuple(chunks) == plan.chunks
+        walked = fused_copy.scatter_verified(arena, self._tables, plan, block_ids, extents)
+        return walked == fused_copy.OK
+
+
+class _OnDemand:
+    """A job's copy plan, built the first time a numpy copy needs it: the C walk reads
+    the job plan itself, and building one costs ~20-40 us of Python per job here."""
+
+    def __init__(self, build: Callable[[], CopyPlan], now: bool) -> None:
+        self._build = build
+        self._plan = build() if now else None  # built now: block ids checked at submit
+
+    def __call__(self) -> CopyPlan:
+        if self._plan is None:
+            self._plan = self._build()
+        return self._plan
 
 
 def _scatter_pieces(
