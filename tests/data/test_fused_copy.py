@@ -4,6 +4,9 @@ digest, and bad block ids or extents refused."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -59,14 +62,8 @@ def test_verified_scatter_matches_hash_then_scatter_byte_for_byte(
     numpy_path.prepare_scatter(plan, dst).from_extents(arena, runs_of(plan.chunks, offsets))
     scatter = HostCopier(layout).prepare_scatter(plan, dst)
     assert scatter._from_verified_extents is not None  # the C path, not the fallback
-    saved, fused_copy.STREAMING_MIN_BYTES = (
-        fused_copy.STREAMING_MIN_BYTES,
-        0 if streaming else 1 << 62,
-    )
-    try:
+    with _knobs(STREAMING_MIN_BYTES=0 if streaming else NUMPY_ONLY):
         assert scatter.from_verified_extents(arena, plan.chunks, extents) is (bad < 0)
-    finally:
-        fused_copy.STREAMING_MIN_BYTES = saved
     if bad < 0:
         for a, b in zip(kv, theirs, strict=True):
             assert torch.equal(a, b)
@@ -74,27 +71,47 @@ def test_verified_scatter_matches_hash_then_scatter_byte_for_byte(
 
 @needs_c
 @settings(max_examples=80, deadline=None)
-@given(name=st.sampled_from(sorted(GEOMETRIES)), bpc=st.integers(1, 5), seed=st.integers(0, 2**16))
-def test_a_hashed_gather_leaves_the_numpy_gathers_bytes_and_their_digests(
-    name: str, bpc: int, seed: int
+@given(
+    name=st.sampled_from(sorted(GEOMETRIES)),
+    bpc=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+    large=st.booleans(),
+)
+def test_a_gather_leaves_the_numpy_gathers_bytes_and_large_ones_their_digests(
+    name: str, bpc: int, seed: int, large: bool
 ) -> None:
     """Every arena byte as the numpy gather leaves it (0xCD between extents, zeros in
-    slots the job does not fill), and each chunk's digest is its extent's xxh3."""
+    slots the job does not fill); a large job (streamed) also gives each chunk's digest,
+    its extent's xxh3."""
     _, layout, plan, ids, offsets, _ = job_in_extents(name, bpc, seed)
     ours = np.full(4 * plan.nbytes + 40_000, 0xCD, dtype=np.uint8)
     theirs = ours.copy()
-    gathered = HostCopier(layout).gather_into(plan, ids, ours, offsets)
-    saved, fused_copy.MIN_BYTES = fused_copy.MIN_BYTES, NUMPY_ONLY
-    try:
+    streaming = 0 if large else NUMPY_ONLY
+    with _knobs(STREAMING_MIN_BYTES=streaming):
+        gathered = HostCopier(layout).gather_into(plan, ids, ours, offsets)
+    with _knobs(MIN_BYTES=NUMPY_ONLY):
         numpy_gathered = HostCopier(layout).gather_into(plan, ids, theirs, offsets)
-    finally:
-        fused_copy.MIN_BYTES = saved
     assert numpy_gathered.digests is None  # the commit thread hashes those
     assert np.array_equal(ours, theirs)
-    assert gathered.digests == [
+    expected = [
         xxhash.xxh3_64_intdigest(ours[at : at + c.nbytes])
         for c, at in zip(plan.chunks, offsets, strict=True)
     ]
+    assert gathered.digests == (expected if large else None)
+
+
+@contextlib.contextmanager
+def _knobs(**values: int) -> Iterator[None]:
+    """Set module constants of fused_copy for a block (hypothesis runs many examples
+    per test, so no monkeypatch fixture)."""
+    saved = {k: getattr(fused_copy, k) for k in values}
+    for k, v in values.items():
+        setattr(fused_copy, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(fused_copy, k, v)
 
 
 @needs_c
@@ -119,10 +136,10 @@ def test_a_wrong_digest_is_named_and_bad_block_ids_or_extents_are_refused() -> N
     with pytest.raises(ValueError, match="block ids"):
         fused_copy.scatter_verified(arena, tables, plan, [6, 2, 3, 4], extents)
     with pytest.raises(ValueError, match="block ids"):
-        fused_copy.gather_hashed(arena, tables, plan, [1, 2, -1, 4], offsets)
+        fused_copy.gather(arena, tables, plan, [1, 2, -1, 4], offsets)
     assert all(torch.equal(a, b) for a, b in zip(kv, before, strict=True))  # nothing copied
     for outside in ([4000, 0], [-1, 0]):
         with pytest.raises(ValueError, match="outside"):
-            fused_copy.gather_hashed(arena, tables, plan, [1, 2, 3, 4], outside)
+            fused_copy.gather(arena, tables, plan, [1, 2, 3, 4], outside)
     with pytest.raises(ValueError, match="extents for a job"):
-        fused_copy.gather_hashed(arena, tables, plan, [1, 2, 3, 4], [0])
+        fused_copy.gather(arena, tables, plan, [1, 2, 3, 4], [0])

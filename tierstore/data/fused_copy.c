@@ -78,7 +78,7 @@ typedef struct {
     const int64_t *lo, *at;
     uint64_t *digests; /* gather: written; scatter: checked */
     int64_t n_shards, s, pos;
-    int gather, streaming;
+    int gather, streaming, hashing;
     void *state;
     xxh_reset_t reset;
     xxh_update_t update;
@@ -105,6 +105,10 @@ static inline void copy(const walk_t *w, uint8_t *dst, const uint8_t *src, size_
  * Returns 0 if a scatter's digest differs. */
 static int finish_shard(walk_t *w)
 {
+    if (!w->hashing) {
+        w->s++;
+        return 1;
+    }
     const uint64_t got = w->digest(w->state);
     if (w->gather) {
         w->digests[w->s] = got;
@@ -125,7 +129,9 @@ static int skip_to(walk_t *w, int64_t to)
         if (w->gather) {
             memset(at, 0, (size_t)(end - w->pos));
         }
-        w->update(w->state, at, (size_t)(end - w->pos));
+        if (w->hashing) {
+            w->update(w->state, at, (size_t)(end - w->pos));
+        }
         w->pos = end;
         if (w->pos == w->lo[w->s + 1] && !finish_shard(w)) {
             return 0;
@@ -151,7 +157,9 @@ static int64_t page(walk_t *w, int64_t job_lo, uint8_t *kv, int64_t n)
         uint8_t *at = in_arena(w, w->pos);
         if (w->gather) {
             copy(w, at, kv, (size_t)take);
-            w->update(w->state, kv, (size_t)take);
+            if (w->hashing) {
+                w->update(w->state, kv, (size_t)take);
+            }
         } else {
             copy(w, kv, at, (size_t)take);
             w->update(w->state, at, (size_t)take);
@@ -178,7 +186,8 @@ enum { REF_BASE, REF_STRIDE, REF_ROWS, REF_PAGE, REF_OFFSET, REF_WIDTH };
  * The job's bytes [0, lo[n_shards]) are tiled by shards in order: shard s holds job
  * bytes [lo[s], lo[s + 1]) at arena offset at[s]. gather != 0: KV -> arena, bytes no
  * page fills are zeroed, each shard's xxh3-64 is written to digests[s]. gather == 0:
- * arena -> KV, each shard's digest is checked against digests[s]. streaming != 0: the
+ * arena -> KV, each shard's digest is checked against digests[s]. A gather with
+ * hashing == 0 copies only (digests untouched). streaming != 0: the
  * destination is written with non-temporal stores (fenced before returning).
  *
  * Returns WALK_OK; for a scatter, the index of the first shard whose digest differs
@@ -188,11 +197,11 @@ enum { REF_BASE, REF_STRIDE, REF_ROWS, REF_PAGE, REF_OFFSET, REF_WIDTH };
 int64_t ts_walk(
     uint8_t *arena, const int64_t *lo, const int64_t *at, uint64_t *digests, int64_t n_shards,
     const int64_t *spans, int64_t n_spans, const int64_t *refs, const int64_t *ids,
-    int64_t n_ids, int gather, int streaming,
+    int64_t n_ids, int gather, int streaming, int hashing,
     void *state, xxh_reset_t reset, xxh_update_t update, xxh_digest_t digest)
 {
     walk_t w = {arena, lo, at, digests, n_shards, 0, lo[0], gather, streaming,
-                state, reset, update, digest};
+                hashing || !gather, state, reset, update, digest};
     int64_t result = WALK_OK;
     reset(state);
     for (int64_t i = 0; i < n_spans && result == WALK_OK; i++) {

@@ -237,8 +237,8 @@ class HostCopier(DeviceCopier):
     ) -> Gathered:
         started = time.perf_counter()
         digests = None
-        if self._walks(plan):  # hashed as copied: the commit needs no second pass
-            digests = fused_copy.gather_hashed(arena, self._tables, plan, block_ids, offsets)
+        if self._walks(plan):  # large jobs hashed as copied: no second pass at commit
+            digests = fused_copy.gather(arena, self._tables, plan, block_ids, offsets)
         else:
             runs = runs_of(plan.chunks, offsets)
             gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
