@@ -61,7 +61,7 @@ def test_verified_scatter_matches_hash_then_scatter_byte_for_byte(
     numpy_path = HostCopier(ChunkLayout(theirs, GEOMETRIES[name][1], bpc))
     numpy_path.prepare_scatter(plan, dst).from_extents(arena, runs_of(plan.chunks, offsets))
     scatter = HostCopier(layout).prepare_scatter(plan, dst)
-    assert scatter._from_verified_extents is not None  # the C path, not the fallback
+    assert scatter._verified is not None  # the C path, not the fallback
     with _knobs(STREAMING_MIN_BYTES=0 if streaming else NUMPY_ONLY):
         assert scatter.from_verified_extents(arena, plan.chunks, extents) is (bad < 0)
     if bad < 0:

@@ -71,10 +71,9 @@ static void store_fence(void)
 }
 
 /* Where the walk is: job bytes below ``pos`` are copied (or zeroed) and hashed into
- * the state of shard ``s``, which holds job bytes [lo[s], lo[s + 1]) at arena offset
- * at[s]. */
+ * the state of shard ``s``, whose job bytes [lo[s], lo[s + 1]) lie at address at[s]
+ * (in the arena, or a fetched object's buffer). */
 typedef struct {
-    uint8_t *arena;
     const int64_t *lo, *at;
     uint64_t *digests; /* gather: written; scatter: checked */
     int64_t n_shards, s, pos;
@@ -87,9 +86,9 @@ typedef struct {
 
 enum { WALK_OK = -1, WALK_BAD_PLAN = -2 };
 
-static inline uint8_t *in_arena(const walk_t *w, int64_t x)
+static inline uint8_t *in_shard(const walk_t *w, int64_t x)
 {
-    return w->arena + (w->at[w->s] + (x - w->lo[w->s]));
+    return (uint8_t *)(intptr_t)(w->at[w->s] + (x - w->lo[w->s]));
 }
 
 static inline void copy(const walk_t *w, uint8_t *dst, const uint8_t *src, size_t n)
@@ -125,7 +124,7 @@ static int skip_to(walk_t *w, int64_t to)
 {
     while (w->pos < to) {
         const int64_t end = to < w->lo[w->s + 1] ? to : w->lo[w->s + 1];
-        uint8_t *at = in_arena(w, w->pos);
+        uint8_t *at = in_shard(w, w->pos);
         if (w->gather) {
             memset(at, 0, (size_t)(end - w->pos));
         }
@@ -154,7 +153,7 @@ static int64_t page(walk_t *w, int64_t job_lo, uint8_t *kv, int64_t n)
         int64_t take = w->lo[w->s + 1] - w->pos;
         take = take < PIECE ? take : PIECE;
         take = take < n ? take : n;
-        uint8_t *at = in_arena(w, w->pos);
+        uint8_t *at = in_shard(w, w->pos);
         if (w->gather) {
             copy(w, at, kv, (size_t)take);
             if (w->hashing) {
@@ -181,12 +180,12 @@ static int64_t page(walk_t *w, int64_t job_lo, uint8_t *kv, int64_t n)
 enum { SPAN_FIRST, SPAN_BLOCKS, SPAN_IDS, SPAN_SLOT, SPAN_REF_LO, SPAN_REF_HI, SPAN_WIDTH };
 enum { REF_BASE, REF_STRIDE, REF_ROWS, REF_PAGE, REF_OFFSET, REF_WIDTH };
 
-/* Walk a job's pages in job order between the KV cache and its shards' extents.
+/* Walk a job's pages in job order between the KV cache and its shards' bytes.
  *
  * The job's bytes [0, lo[n_shards]) are tiled by shards in order: shard s holds job
- * bytes [lo[s], lo[s + 1]) at arena offset at[s]. gather != 0: KV -> arena, bytes no
+ * bytes [lo[s], lo[s + 1]) at address at[s]. gather != 0: KV -> shards, bytes no
  * page fills are zeroed, each shard's xxh3-64 is written to digests[s]. gather == 0:
- * arena -> KV, each shard's digest is checked against digests[s]. A gather with
+ * shards -> KV, each shard's digest is checked against digests[s]. A gather with
  * hashing == 0 copies only (digests untouched). streaming != 0: the
  * destination is written with non-temporal stores (fenced before returning).
  *
@@ -195,12 +194,12 @@ enum { REF_BASE, REF_STRIDE, REF_ROWS, REF_PAGE, REF_OFFSET, REF_WIDTH };
  * load); or WALK_BAD_PLAN if a block id is outside its tensor, the pages go backwards
  * or leave the job (nothing past the bad page is copied). */
 int64_t ts_walk(
-    uint8_t *arena, const int64_t *lo, const int64_t *at, uint64_t *digests, int64_t n_shards,
+    const int64_t *lo, const int64_t *at, uint64_t *digests, int64_t n_shards,
     const int64_t *spans, int64_t n_spans, const int64_t *refs, const int64_t *ids,
     int64_t n_ids, int gather, int streaming, int hashing,
     void *state, xxh_reset_t reset, xxh_update_t update, xxh_digest_t digest)
 {
-    walk_t w = {arena, lo, at, digests, n_shards, 0, lo[0], gather, streaming,
+    walk_t w = {lo, at, digests, n_shards, 0, lo[0], gather, streaming,
                 hashing || !gather, state, reset, update, digest};
     int64_t result = WALK_OK;
     reset(state);

@@ -107,7 +107,7 @@ class _Native:
         self._fn = lib.ts_walk
         self._fn.restype = ctypes.c_int64
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, p, i64, p, i64, p, p, i64] + [ctypes.c_int] * 3
+        self._fn.argtypes = [p, p, p, i64, p, i64, p, p, i64] + [ctypes.c_int] * 3
         self._fn.argtypes += [p] * 4
         update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
         self._hash_fns = [
@@ -120,7 +120,6 @@ class _Native:
 
     def walk(  # noqa: PLR0913 - one C call's arguments
         self,
-        arena: np.ndarray,
         shards: array.array,
         tables: PlanTables,
         plan: JobPlan,
@@ -129,7 +128,7 @@ class _Native:
         streaming: bool,
         hashing: bool = True,
     ) -> int:
-        """``shards``: uint64 job offsets (n + 1, the job's end last), arena offsets (n),
+        """``shards``: uint64 job offsets (n + 1, the job's end last), addresses (n),
         digests (n). A scatter always hashes."""
         state = getattr(self._local, "state", None)
         if state is None:
@@ -141,7 +140,6 @@ class _Native:
         base = shards.buffer_info()[0]
         return int(
             self._fn(
-                arena.ctypes.data,
                 base,
                 base + 8 * (n + 1),
                 base + 8 * (2 * n + 1),
@@ -160,20 +158,28 @@ class _Native:
         )
 
 
-def _shard_table(
-    arena: np.ndarray, plan: JobPlan, offsets: Sequence[int], digests: Sequence[int]
-) -> array.array:
-    """The C walk's shard rows; every extent checked to lie in the arena (the walk
-    trusts them: a wrong one would be a wild write)."""
-    if arena.dtype != np.uint8 or arena.ndim != 1 or not arena.flags.c_contiguous:
-        raise ValueError(f"arena must be contiguous 1-D uint8, got {arena.dtype} {arena.shape}")
+def _shard_table(plan: JobPlan, addresses: Sequence[int], digests: Sequence[int]) -> array.array:
+    """The C walk's shard rows: job offsets (and the job's end), addresses, digests."""
+    return array.array("Q", [*(c.offset for c in plan.chunks), plan.nbytes, *addresses, *digests])
+
+
+def _in_arena(arena: np.ndarray, plan: JobPlan, offsets: Sequence[int]) -> list[int]:
+    """The addresses of the chunks' extents at ``offsets``, each checked to lie in the
+    arena (the walk trusts them: a wrong one would be a wild write)."""
+    _check_bytes(arena, "arena")
     chunks = plan.chunks
     if len(offsets) != len(chunks) or not chunks:
         raise ValueError(f"{len(offsets)} extents for a job of {len(chunks)} chunks")
     ends = [at + c.nbytes for at, c in zip(offsets, chunks, strict=True)]
     if min(offsets) < 0 or max(ends) > arena.nbytes:
         raise ValueError(f"an extent lies outside the {arena.nbytes}-byte arena")
-    return array.array("Q", [*(c.offset for c in chunks), plan.nbytes, *offsets, *digests])
+    base = arena.ctypes.data
+    return [base + at for at in offsets]
+
+
+def _check_bytes(buffer: np.ndarray, what: str) -> None:
+    if buffer.dtype != np.uint8 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
+        raise ValueError(f"{what} must be contiguous 1-D uint8, got {buffer.dtype} {buffer.shape}")
 
 
 def _ids(block_ids: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -200,10 +206,39 @@ def scatter_verified(
     may be in the destination). Raises ValueError for an extent outside the arena or a
     block id outside the KV cache (nothing past it copied); RuntimeError if the module
     is not available."""
+    addresses = _in_arena(arena, plan, [at for at, _ in extents])
+    return _scatter(tables, plan, block_ids, addresses, [d for _, d in extents])
+
+
+def scatter_verified_pieces(
+    tables: PlanTables,
+    plan: JobPlan,
+    block_ids: np.ndarray | Sequence[int],
+    pieces: Sequence[tuple[np.ndarray, int]],
+) -> int:
+    """As :func:`scatter_verified`, from one buffer per chunk ``(bytes, digest)`` (a
+    fetched object's shards, read in place), each exactly its chunk's size."""
+    if len(pieces) != len(plan.chunks) or not pieces:
+        raise ValueError(f"{len(pieces)} buffers for a job of {len(plan.chunks)} chunks")
+    for (piece, _), chunk in zip(pieces, plan.chunks, strict=True):
+        _check_bytes(piece, "a shard")
+        if piece.nbytes != chunk.nbytes:
+            raise ValueError(f"a shard of {piece.nbytes} bytes for a {chunk.nbytes}-byte chunk")
+    addresses = [piece.ctypes.data for piece, _ in pieces]
+    return _scatter(tables, plan, block_ids, addresses, [d for _, d in pieces])
+
+
+def _scatter(
+    tables: PlanTables,
+    plan: JobPlan,
+    block_ids: np.ndarray | Sequence[int],
+    addresses: Sequence[int],
+    digests: Sequence[int],
+) -> int:
     native = _require()
-    shards = _shard_table(arena, plan, [at for at, _ in extents], [d for _, d in extents])
+    shards = _shard_table(plan, addresses, digests)
     streaming = plan.nbytes >= STREAMING_MIN_BYTES
-    return _walked(native.walk(arena, shards, tables, plan, _ids(block_ids), False, streaming))
+    return _walked(native.walk(shards, tables, plan, _ids(block_ids), False, streaming))
 
 
 def gather(
@@ -218,9 +253,9 @@ def gather(
     or more is hashed as it is copied: returns each chunk's xxh3-64; a smaller one is
     only copied: returns None. Raises as :func:`scatter_verified`."""
     native = _require()
-    shards = _shard_table(arena, plan, offsets, [0] * len(offsets))
+    shards = _shard_table(plan, _in_arena(arena, plan, offsets), [0] * len(offsets))
     large = plan.nbytes >= STREAMING_MIN_BYTES
-    _walked(native.walk(arena, shards, tables, plan, _ids(block_ids), True, large, large))
+    _walked(native.walk(shards, tables, plan, _ids(block_ids), True, large, large))
     return shards[2 * len(offsets) + 1 :].tolist() if large else None
 
 
@@ -252,8 +287,8 @@ def _agrees_with_numpy(native: _Native) -> bool:
     gathered, scattered = [3, 1, 7, 5, 8, 0], [2, 4, 6, 0, 1, 3]
     arena = rng.integers(0, 256, 3 * plan.nbytes, dtype=np.uint8)
     offsets = [2 * plan.nbytes + 7 - c.offset - c.nbytes for c in plan.chunks]
-    shards = _shard_table(arena, plan, offsets, [0] * len(offsets))
-    if native.walk(arena, shards, tables, plan, _ids(gathered), True, True) != OK:
+    shards = _shard_table(plan, _in_arena(arena, plan, offsets), [0] * len(offsets))
+    if native.walk(shards, tables, plan, _ids(gathered), True, True) != OK:
         return False
     job = np.empty(plan.nbytes, dtype=np.uint8)
     executor.gather(planner.build(plan, gathered), job)
@@ -264,10 +299,11 @@ def _agrees_with_numpy(native: _Native) -> bool:
             arena[at : at + chunk.nbytes], part
         ):
             return False
-    if native.walk(arena, shards, tables, plan, _ids(scattered), False, False) != OK:
+    if native.walk(shards, tables, plan, _ids(scattered), False, False) != OK:
         return False
     copied = np.zeros_like(arena)  # a copy-only gather leaves the same extents
-    if native.walk(copied, shards, tables, plan, _ids(gathered), True, False, False) != OK:
+    into = _shard_table(plan, _in_arena(copied, plan, offsets), [0] * len(offsets))
+    if native.walk(into, tables, plan, _ids(gathered), True, False, False) != OK:
         return False
     for chunk, at in zip(plan.chunks, offsets, strict=True):
         if not np.array_equal(copied[at : at + chunk.nbytes], arena[at : at + chunk.nbytes]):
@@ -276,7 +312,7 @@ def _agrees_with_numpy(native: _Native) -> bool:
     if not all(torch.equal(a, b) for a, b in zip(ours.tensors, theirs.tensors, strict=True)):
         return False
     shards[-2] ^= 1  # the second chunk's digest
-    return native.walk(arena, shards, tables, plan, _ids(scattered), False, True) == 1
+    return native.walk(shards, tables, plan, _ids(scattered), False, True) == 1
 
 
 def _load() -> _Native | None:

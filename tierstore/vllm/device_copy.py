@@ -52,6 +52,8 @@ FromExtents = Callable[[np.ndarray, Sequence[Run]], None]
 FromVerifiedExtents = Callable[
     [np.ndarray, Sequence[ChunkPlacement], Sequence[tuple[int, int]]], bool
 ]
+# (per chunk in job order: its bytes, their digest) -> verified
+FromVerifiedPieces = Callable[[Sequence[tuple[np.ndarray, int]]], bool]
 
 
 class Scatter:
@@ -64,11 +66,12 @@ class Scatter:
         from_extents: FromExtents | None = None,
         from_pieces: Callable[[Sequence[tuple[int, np.ndarray]]], None] | None = None,
         on_caller: bool = False,
-        from_verified_extents: FromVerifiedExtents | None = None,
+        verified: tuple[FromVerifiedExtents, FromVerifiedPieces] | None = None,
     ) -> None:
         self._run = run
         self._from_extents = from_extents
-        self._from_verified_extents = from_verified_extents
+        # One pass that verifies as it copies, from extents or from separate buffers.
+        self._verified = verified
         self._from_pieces = from_pieces
         # The copies run on the calling thread, as plain memory work (the host
         # executor), not as a device copy the caller waits for: a small one may run at
@@ -102,8 +105,8 @@ class Scatter:
         differs: some blocks may then hold bytes of this try (the host copier hashes each
         piece right after copying it, :mod:`tierstore.data.fused_copy`), so the caller
         fails the load or tries again, and never reports it done."""
-        if self._from_verified_extents is not None:
-            return self._from_verified_extents(arena, chunks, extents)
+        if self._verified is not None:
+            return self._verified[0](arena, chunks, extents)
         for chunk, (at, want) in zip(chunks, extents, strict=True):
             if digest(arena[at : at + chunk.nbytes]) != want:
                 return False
@@ -122,6 +125,20 @@ class Scatter:
         if self._from_pieces is None:
             raise NotImplementedError("this copier scatters from one buffer only")
         self._from_pieces(pieces)
+
+    def from_verified_pieces(
+        self, chunks: Sequence[ChunkPlacement], pieces: Sequence[tuple[np.ndarray, int]]
+    ) -> bool:
+        """Check each chunk's buffer ``(bytes, digest)`` (the shards of a fetched object,
+        in job order, read in place) and scatter the job from them, as
+        :meth:`from_verified_extents`: False if a digest differs (some blocks may then
+        hold bytes of this try). Needs :attr:`pieces_in_place`."""
+        if self._verified is not None:
+            return self._verified[1](pieces)
+        if any(digest(piece) != want for piece, want in pieces):
+            return False
+        self.from_pieces([(c.offset, p) for c, (p, _) in zip(chunks, pieces, strict=True)])
+        return True
 
 
 EMPTY_BUFFER = np.empty(0, dtype=np.uint8)
@@ -255,7 +272,12 @@ class HostCopier(DeviceCopier):
             lambda arena, runs: scatter_from(executor, copy_plan(), arena, runs),
             from_pieces=lambda pieces: _scatter_pieces(executor, copy_plan(), pieces),
             on_caller=True,
-            from_verified_extents=functools.partial(self._walk, plan, block_ids) if walks else None,
+            verified=(
+                functools.partial(self._walk, plan, block_ids),
+                functools.partial(self._walk_pieces, plan, block_ids),
+            )
+            if walks
+            else None,
         )
 
     def _walks(self, plan: JobPlan) -> bool:
@@ -273,6 +295,12 @@ class HostCopier(DeviceCopier):
         are the plan's."""
         assert chunks is plan.chunks or tuple(chunks) == plan.chunks
         walked = fused_copy.scatter_verified(arena, self._tables, plan, block_ids, extents)
+        return walked == fused_copy.OK
+
+    def _walk_pieces(
+        self, plan: JobPlan, block_ids: np.ndarray, pieces: Sequence[tuple[np.ndarray, int]]
+    ) -> bool:
+        walked = fused_copy.scatter_verified_pieces(self._tables, plan, block_ids, pieces)
         return walked == fused_copy.OK
 
 

@@ -4,9 +4,12 @@ arena cannot serve them (no arena, a shard on disk only, CUDA for now).
 One copy on each side. The holder's NodeStore puts its shards' extent views into one
 object (``ray.put`` copies them into the object store while no extent can be reused);
 here the fetched object's arrays are read in place (a ``ray.get`` of numpy arrays maps
-them, read-only), each shard is verified (length, slot coverage, xxh3), and only then
-scattered, shard by shard, into the KV cache. Shards of one job may come from several
-nodes: the calls go out at once, and every shard is verified before any is scattered.
+them, read-only), each shard's length and slot coverage is checked, and the job is
+scattered into the KV cache from them, each piece hashed as it is copied (the host's C
+walk: a shard that fails its xxh3 may have put bytes in its blocks, and the load fails;
+elsewhere every shard is hashed before any byte is copied). Shards of one job may come
+from several nodes: the calls go out at once, and every shard is checked before the
+copy starts.
 
 A holder that fails (its NodeStore died, its node is lost, its object's owner died
 before the get, or it no longer holds the chunk: a HIT from the scheduler's picture
@@ -50,14 +53,14 @@ class ObjectLoads:
         """Fetch, verify and scatter every shard of ``spec``; raises if any cannot be."""
         by_node = spec.keys_by_node(self._rank)
         calls = {node: self._call_load(spec, node, idx) for node, idx in by_node.items()}
-        shards: list[np.ndarray] = [_EMPTY] * len(spec.keys)
+        shards: list[tuple[np.ndarray, int]] = [(_EMPTY, 0)] * len(spec.keys)
         for node, call in calls.items():
             idx = by_node[node]
             part, metas = self._fetch_from(spec, node, idx, call)
             verify(spec, plan, idx, part, metas)
-            for i, shard in zip(idx, part, strict=True):
-                shards[i] = shard
-        scatter_shards(scatter, plan, shards)
+            for i, shard, meta in zip(idx, part, metas, strict=True):
+                shards[i] = (shard, meta.digest)
+        scatter_shards(scatter, spec, plan, shards)
 
     def _call_load(self, spec: LoadSpec, node: NodeId, idx: list[int]) -> Reply[Loaded] | Exception:
         """The NodeStore call for ``idx`` (sent now, so the nodes work in parallel), or why
@@ -133,7 +136,8 @@ def verify(
     metas: Sequence[ShardMeta],
 ) -> None:
     """Check each shard before a byte of it reaches the KV cache: its count, its length
-    against this engine's layout, the slots it covers, and its xxh3."""
+    against this engine's layout and the slots it covers (its xxh3 is checked as it is
+    copied: :func:`scatter_shards`)."""
     if len(shards) != len(indices) or len(metas) != len(indices):
         raise ChunkCorruptError(
             f"load answered {len(shards)} shards and {len(metas)} metas for {len(indices)} keys"
@@ -156,16 +160,27 @@ def verify(
                 f"chunk {key}: got {shard.nbytes} bytes ({shard.dtype}, {shard.ndim}-d), "
                 f"its meta says {meta.nbytes}"
             )
-        if digest(shard) != meta.digest:
-            raise ChunkCorruptError(f"chunk {key}: checksum mismatch; not loading it")
 
 
-def scatter_shards(scatter: Scatter, plan: JobPlan, shards: Sequence[np.ndarray]) -> None:
-    """Scatter verified shards (one per chunk, in job order) into the KV cache: each from
-    where it lies when the copier can (the host executor), else from one job buffer."""
+def scatter_shards(
+    scatter: Scatter, spec: LoadSpec, plan: JobPlan, fetched: Sequence[tuple[np.ndarray, int]]
+) -> None:
+    """Check each shard's xxh3 ``(bytes, digest)``, one per chunk in job order, and
+    scatter them into the KV cache: each from where it lies when the copier can (the
+    host executor, verifying as it copies), else hashed first, then from one job
+    buffer. Raises ChunkCorruptError naming the first chunk that fails."""
     if scatter.pieces_in_place:
-        scatter.from_pieces([(c.offset, s) for c, s in zip(plan.chunks, shards, strict=True)])
+        if not scatter.from_verified_pieces(plan.chunks, fetched):
+            bad = next((i for i, (s, d) in enumerate(fetched) if digest(s) != d), 0)
+            raise ChunkCorruptError(
+                f"chunk {spec.keys[bad].hex()}: checksum mismatch as it was loaded; the "
+                "load fails (its blocks may hold some of its bytes: never reported loaded)"
+            )
         return
+    for key, (shard, want) in zip(spec.keys, fetched, strict=True):
+        if digest(shard) != want:
+            raise ChunkCorruptError(f"chunk {key.hex()}: checksum mismatch; not loading it")
+    shards = [shard for shard, _ in fetched]
     if len(shards) == 1:
         scatter(shards[0])
         return
