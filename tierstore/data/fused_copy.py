@@ -82,11 +82,12 @@ class PlanTables:
         self._layout = layout
         self._spans: dict[int, tuple[JobPlan, np.ndarray, int]] = {}
 
-    def spans(self, plan: JobPlan) -> tuple[int, int]:
-        """The plan's span rows: their address and number."""
+    def spans(self, plan: JobPlan) -> tuple[np.ndarray, int]:
+        """The plan's span rows and their address. Any thread: hold the array for as long
+        as the address is used (another thread may drop it from the cache meanwhile)."""
         cached = self._spans.get(id(plan))
         if cached is not None and cached[0] is plan:
-            return cached[2], len(cached[1])
+            return cached[1], cached[2]
         rows = []
         for span in plan.spans:
             slot = self._layout.groups[span.group_pos].slot_bytes
@@ -96,8 +97,9 @@ class PlanTables:
         table = np.array(rows, dtype=np.int64).reshape(-1, _SPAN_WIDTH)
         if len(self._spans) >= _MAX_CACHED_SPANS:
             self._spans.clear()
-        self._spans[id(plan)] = (plan, table, table.ctypes.data)
-        return table.ctypes.data, len(table)
+        address = table.ctypes.data
+        self._spans[id(plan)] = (plan, table, address)
+        return table, address
 
 
 class _Native:
@@ -135,7 +137,7 @@ class _Native:
             state = self._local.state = self._create_state()
             if not state:
                 raise MemoryError("XXH3_createState failed")
-        spans, n_spans = tables.spans(plan)
+        spans, spans_address = tables.spans(plan)  # held until the call returns
         n = (len(shards) - 1) // 3
         base = shards.buffer_info()[0]
         return int(
@@ -144,8 +146,8 @@ class _Native:
                 base + 8 * (n + 1),
                 base + 8 * (2 * n + 1),
                 n,
-                spans,
-                n_spans,
+                spans_address,
+                len(spans),
                 tables.refs_address,
                 ids.ctypes.data,
                 len(ids),

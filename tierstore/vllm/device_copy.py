@@ -254,7 +254,7 @@ class HostCopier(DeviceCopier):
     ) -> Gathered:
         started = time.perf_counter()
         digests = None
-        if self._walks(plan):  # large jobs hashed as copied: no second pass at commit
+        if self._walks(plan):  # the C walk; a large job also hashed as it is copied
             digests = fused_copy.gather(arena, self._tables, plan, block_ids, offsets)
         else:
             runs = runs_of(plan.chunks, offsets)
