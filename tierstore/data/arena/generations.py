@@ -59,5 +59,4 @@ class Generations:
 
     def read(self, offsets: Sequence[int]) -> list[int]:
         """Each extent's current generation (any thread, any process mapping the arena)."""
-        words, shift = self._words, self._shift
-        return [words[((offset * _FIBONACCI) & _MASK64) >> shift] for offset in offsets]
+        return [self._words[self._slot(offset)] for offset in offsets]
