@@ -1,8 +1,12 @@
 """The arena's shard directory, on real shared mappings: what the NodeStore holds, a
 worker's own mapping finds (offset, metadata, generation), from adoptions, promotions
-and pins; an entry another shard took, or one half written, is never trusted."""
+and pins; shards that share a bucket keep their entries while there is room (a stale
+entry goes first); an entry another shard took, or one half written, is never trusted."""
 
 from __future__ import annotations
+
+import itertools
+import uuid
 
 import numpy as np
 
@@ -15,7 +19,7 @@ from tierstore.data.arena.directory import (
 )
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
-from tierstore.data.arena.region import ArenaMapping
+from tierstore.data.arena.region import ArenaMapping, ArenaRegion
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.base import ShardMeta
@@ -36,9 +40,9 @@ def _worker_view(tier: ArenaTier) -> tuple[ShardDirectory, Generations]:
 
 
 def test_the_directory_sits_between_the_extents_and_the_generations() -> None:
-    assert directory_bytes(1 << 30) == MAX_DIRECTORY_BYTES
-    assert directory_bytes(256 * KiB) == 4 * KiB  # 64 entries
-    assert directory_bytes(100) == 64  # one entry: shards take it in turn
+    assert directory_bytes(1 << 40) == MAX_DIRECTORY_BYTES
+    assert directory_bytes(1 << 30) == (1 << 30) // 64  # one entry per 4 KiB
+    assert directory_bytes(256 * KiB) == 4 * KiB  # 64 entries: 16 buckets of 4
     region = np.zeros(256 * KiB, dtype=np.uint8)
     generations, directory = arena_tables(region)
     assert directory.extents_bytes + directory.nbytes + generations.nbytes == len(region)
@@ -70,21 +74,68 @@ def test_a_worker_finds_what_the_tier_adopted_or_filled(arena_tier: ArenaTier) -
     holder.close()
 
 
-def test_a_shard_whose_entry_another_took_is_found_again_once_pinned(arena_tier: ArenaTier) -> None:
+def _one_bucket(directory: ShardDirectory, n: int) -> list[ShardId]:
+    """``n`` shards whose entries go in the same bucket of ``directory``."""
+    by_bucket: dict[int, list[ShardId]] = {}
+    for i in itertools.count():
+        shards = by_bucket.setdefault(directory.bucket_of(_shard(i)), [])
+        shards.append(_shard(i))
+        if len(shards) == n:
+            return shards
+    raise AssertionError("unreachable")
+
+
+def _fill(tier: ArenaTier, shard_id: ShardId, nbytes: int = 256) -> None:
+    data = np.full(nbytes, 1, np.uint8)
+    tier.fill(shard_id, ShardMeta(nbytes, digest(data), 1), lambda out: out.fill(1))
+
+
+def test_shards_that_share_a_bucket_keep_their_entries_and_a_stale_one_goes_first(
+    arena_tier: ArenaTier,
+) -> None:
     tier = arena_tier
-    """Direct-mapped: with more shards than entries some are not found (their loads pin);
-    the pin writes the entry back, so the next load finds it."""
+    directory, _ = _worker_view(tier)
+    first, second, third, fourth, fifth = _one_bucket(directory, 5)
+    for shard_id in (first, second, third, fourth):
+        _fill(tier, shard_id)
+    assert directory.find([first, second, third, fourth]) is not None
+    tier.delete(second)  # its extent freed: its entry is stale
+    _fill(tier, fifth)
+    assert directory.find([first, third, fourth, fifth]) is not None
+    assert directory.find([second]) is None
+
+
+def test_a_shard_whose_entry_another_took_is_found_again_once_pinned(arena_tier: ArenaTier) -> None:
+    """Five live shards in one bucket of four: one of the first four lost its entry (its
+    loads pin); the pin writes the entry back, so the next load finds it."""
+    tier = arena_tier
     holder = HolderLock(tier.region.info.path)
     directory, _ = _worker_view(tier)
-    shards = [_shard(i) for i in range(200)]  # 64 entries
+    shards = _one_bucket(directory, 5)
     for shard_id in shards:
-        tier.fill(shard_id, ShardMeta(256, digest(np.ones(256, np.uint8)), 1), lambda o: o.fill(1))
+        _fill(tier, shard_id)
     lost = [s for s in shards if directory.find([s]) is None]
-    assert lost, "200 shards in 64 entries: some must have lost theirs"
+    assert len(lost) == 1 and lost[0] != shards[-1]
     assert directory.find(shards) is None  # one lost: the job is not served from it
-    tier.pin(holder.holder, lost[:1])
-    assert directory.find(lost[:1]) is not None
+    tier.pin(holder.holder, lost)
+    assert directory.find(lost) is not None
     holder.close()
+
+
+def test_a_full_small_arena_finds_every_shard_of_a_prefix() -> None:
+    """The e2e bench's tiny-model arena (a 4 MiB CPU tier of 32 KiB chunks, 8 MiB in
+    all) holding 128 chunks: every one is found. Direct-mapped, as the directory was,
+    the same 128 shards lost several entries, and a 32-chunk load then pinned."""
+    region = ArenaRegion.create("ns-data", uuid.uuid4().hex, 8 << 20)
+    try:
+        tier = ArenaTier(region, capacity_bytes=4 << 20)
+        directory, _ = _worker_view(tier)
+        shards = [_shard(i) for i in range(128)]
+        for shard_id in shards:
+            _fill(tier, shard_id, 32 * KiB)
+        assert [s for s in shards if directory.find([s]) is None] == []
+    finally:
+        region.close()
 
 
 def test_an_entry_being_written_is_not_trusted(arena_tier: ArenaTier) -> None:

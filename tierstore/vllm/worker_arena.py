@@ -22,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tierstore.data.arena.directory import ShardDirectory, arena_tables
+from tierstore.data.arena.directory import EMPTY_BYTES, ShardDirectory, arena_tables
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.pool import ExtentPool
@@ -268,6 +268,6 @@ class WorkerArena:
         # The tables are views of the mapping: after it, no shard is found and every
         # generation check fails (one no extent reaches), so no load reads the unmapped
         # arena.
-        self.directory = ShardDirectory(np.zeros(64, dtype=np.uint8))
+        self.directory = ShardDirectory(np.zeros(EMPTY_BYTES, dtype=np.uint8))
         self.generations = Generations(np.full(8, 255, dtype=np.uint8))
         self.mapping.close()

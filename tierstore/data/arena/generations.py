@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-MAX_TABLE_BYTES = 1 << 19  # 65536 slots: 512 KiB of a real arena (>= 256 MiB)
+MAX_TABLE_BYTES = 1 << 25  # 4M slots: 32 MiB of an arena of 2 GiB or more
 _FIBONACCI = 0x9E3779B97F4A7C15  # spreads offsets that are multiples of a shard size
 _MASK64 = (1 << 64) - 1
 
