@@ -418,3 +418,35 @@ def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same
     off.on_new_request(ctx)
     assert off.lookup(_key(1), ctx) is LookupResult.RETRY  # asked first, as before
     off.shutdown()
+
+
+def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
+    cfg: TierStoreConfig,
+) -> None:
+    """A worker's commit may reach the Evictor after the picture's last poll: a chunk this
+        engine stored within the commit grace that no fresh picture shows is a HIT at once,
+        from this node (the worker waits for its own commit). One the picture shows on disk
+        only is asked (its lookup starts the promotion); one stored longer ago is what the
+    picture says (here: held nowhere, a MISS)."""
+    cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)  # no events poll meanwhile
+    evictor = EvictorClient(get_or_create_evictor(cfg))
+    node = ray.get_runtime_context().get_node_id()
+    evictor.register_node(node, 1000, 10_000).result()
+    evictor.admit(node, [ShardOffer(NS, _key(2), 0, 1, 100)]).result()  # and on disk
+    evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()  # key 2: disk only
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
+    manager.answer_hits_from_picture(1)
+    _wait_for_fresh_picture(manager)
+    writer, reader = ReqContext(req_id="writer"), ReqContext(req_id="reader")
+    manager.on_new_request(writer)
+    stored = [_key(1), _key(2), _key(4)]
+    manager.prepare_store(stored, writer)
+    manager.complete_store(stored, writer)  # copied; not committed (key 1 and 4)
+    manager.on_new_request(reader)
+    assert manager.lookup(_key(1), reader) is LookupResult.HIT  # no RETRY step
+    assert manager.prepare_load([_key(1)], reader).nodes == (node,)
+    assert manager.lookup(_key(2), reader) is LookupResult.RETRY  # the picture knows better
+    time.sleep(1.05)  # past the commit grace: the commit would be in the picture by now
+    assert manager.lookup(_key(4), reader) is LookupResult.MISS
+    assert manager.get_stats().data["data"][metrics.PICTURE_HITS] == {(): 1}
+    manager.shutdown()

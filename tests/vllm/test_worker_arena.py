@@ -5,6 +5,9 @@ them, else pinned)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import ray
 import torch
@@ -129,6 +132,39 @@ def test_a_load_of_shards_this_worker_committed_reads_them_unpinned_and_counts_t
     )
     assert stats["loaded_shards"] == loaded_before + len(keys)
     assert _node_store().status().result()["arena"]["pinned_extents"] == 0
+    worker.shutdown()
+
+
+def test_a_load_of_chunks_whose_commit_is_on_its_way_waits_for_it_and_reads_unpinned(
+    cfg: TierStoreConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler answers a chunk its engine just stored as a HIT at once, so a load
+    may come before this worker's commit of it was answered: no pin or NodeStore could
+    find it yet. The load waits for that commit, then reads the extents unpinned."""
+    kv = _kv()
+    original = [t.clone() for t in kv]
+    worker = _worker(cfg, kv)
+    _stored_and_pool_ready(worker)
+    gate = threading.Event()
+    commit = worker.arena.commit
+
+    def held_commit(batch: list) -> tuple:  # the NodeStore's answer, delayed
+        gate.wait(30)
+        return commit(batch)
+
+    monkeypatch.setattr(worker.arena, "commit", held_commit)
+    keys = _keys(2, 0, 20) + _keys(1, 1, 20)
+    assert worker.submit_store(3, SRC, StoreSpec(NS, tuple(keys)))
+    assert [r.job_id for r in worker.get_finished()] == [3]  # done at the copy
+    node = NodeId(ray.get_runtime_context().get_node_id())
+    guessed = LoadSpec.build(NS, keys, [{0: node}] * len(keys))  # as the scheduler guesses
+    worker.submit_load(4, guessed, DST)
+    time.sleep(0.3)
+    assert worker.get_finished() == []  # waiting for the commit, not failed
+    gate.set()
+    assert _drain(worker, 1) == [4]
+    assert _loaded_exact(kv, original)
+    assert worker.arena.unpinned_loads == 1
     worker.shutdown()
 
 

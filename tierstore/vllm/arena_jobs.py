@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -71,6 +72,45 @@ class Commit:
     plan: JobPlan
     gathered: Gathered
     done: Future[None] = field(default_factory=Future)
+
+
+class PendingCommits:
+    """A worker's arena stores reported done whose commits were not answered yet.
+    Any thread; waits hold no lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._commits: set[Commit] = set()
+
+    def add(self, commit: Commit) -> None:
+        with self._lock:
+            self._commits.add(commit)
+
+    def end(self, batch: list[Commit]) -> None:
+        """The commits were answered (or failed): whoever waits on them goes on."""
+        with self._lock:
+            self._commits.difference_update(batch)
+        for c in batch:
+            if not c.done.done():
+                c.done.set_result(None)
+
+    def wait(self, timeout_s: float, spec: LoadSpec | None = None) -> bool | None:
+        """Wait for every pending commit, or only those of ``spec``'s chunks (a load the
+        scheduler answered from this engine's own stores: the arena's directory names
+        them once committed). True if all ended in time, False at the deadline, None if
+        none was pending."""
+        keys = set(spec.keys) if spec is not None else None
+        with self._lock:
+            pending = [
+                c.done
+                for c in self._commits
+                if keys is None
+                or (c.spec.namespace == spec.namespace and not keys.isdisjoint(c.spec.keys))
+            ]
+        if not pending:
+            return None
+        _, not_done = futures_wait(pending, timeout=timeout_s)
+        return not not_done
 
 
 class ArenaJobs:

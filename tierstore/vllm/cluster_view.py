@@ -124,22 +124,41 @@ class ClusterView:
         self._presence = None
         self._dropped_at = now
 
+    def _fresh(self, now: float) -> Presence | None:
+        """The picture, if one is trusted and at most ``max_age_s`` old."""
+        presence = self._presence
+        if presence is None or now - self._refreshed_at > self._max_age_s:
+            return None
+        return presence
+
     def absent(self, key: ChunkKey, now: float) -> bool:
         """No node held ``key`` as of a picture at most ``max_age_s`` old."""
-        presence = self._presence
-        return (
-            presence is not None
-            and now - self._refreshed_at <= self._max_age_s
-            and key not in presence
-        )
+        presence = self._fresh(now)
+        return presence is not None and key not in presence
 
     def in_memory(self, key: ChunkKey, now: float, prefer: NodeId | None) -> NodeId | None:
         """A node holding ``key`` in memory (``prefer``, this engine's node, first) as of
         a picture at most ``max_age_s`` old, or None: none, or no fresh picture."""
-        presence = self._presence
-        if presence is None or now - self._refreshed_at > self._max_age_s:
-            return None
-        return presence.in_memory(key, prefer)
+        presence = self._fresh(now)
+        return presence.in_memory(key, prefer) if presence is not None else None
+
+    def loadable_from(
+        self, key: ChunkKey, now: float, local: NodeId | None, stored_here_lately: bool
+    ) -> NodeId | None:
+        """Where a HIT answered before its lease may load ``key`` from: a node the fresh
+        picture shows holding it in memory (``local``, this engine's node, first). If no
+        fresh picture shows it at all but this engine stored it lately (its commit came
+        after the last poll), ``local``: its workers put it there, and one whose commit
+        of it is still on its way waits for it. Without that, a prefix stored within the
+        last poll period waited an Evictor round trip and a step more. None: ask.
+
+        A chunk demoted to disk since is read from disk by its NodeStore, one held only
+        on another node from there; one gone everywhere fails its load and the request
+        recomputes, as with any HIT from the picture."""
+        presence = self._fresh(now)
+        if presence is not None and key in presence:
+            return presence.in_memory(key, local)
+        return local if stored_here_lately else None
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:

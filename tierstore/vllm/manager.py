@@ -9,10 +9,9 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
   longer. An answer that lands after that is dropped, and its leases given back.
 - a ``HIT`` is backed by a lease the Evictor granted this request, so the chunk stays
   loadable until ``prepare_load``, which extends the lease until ``complete_load``. A HIT
-  from the scheduler's picture (:meth:`TierStoreManager.answer_hits_from_picture`) is
-  answered before its lease: the lease is asked in the same step and usually lands
-  before the load runs; if the chunk went meanwhile, the load fails over to another copy
-  or recomputes its request.
+  from the scheduler's picture (:meth:`TierStoreManager.answer_hits_from_picture`, which
+  includes what this engine just stored) is answered before its lease, asked in the same
+  step; if the chunk went meanwhile, its load reads another copy or recomputes.
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
   methods also take it themselves, so both versions are safe.
 """
@@ -174,7 +173,8 @@ class TierStoreManager(OffloadingManager):
     ) -> bool:
         if not self._picture_ranks or ctx.load_tier_filter is not TierFilter.ALL:
             return False
-        node = self._view.in_memory(key, now, self._local_node)
+        lately = self._known_stored.committing(key, now)  # its commit may not be polled yet
+        node = self._view.loadable_from(key, now, self._local_node, stored_here_lately=lately)
         if node is None:
             # On disk only: asked, as the lookup starts its promotion, and the load a
             # step later mostly finds it in memory. Loaded at once, it raced the
@@ -272,9 +272,10 @@ class TierStoreManager(OffloadingManager):
                 self._metrics.count(metrics.LOADED_CHUNKS, tier=answer.tier)
             self._job_started[frozenset(ordered)] = time.monotonic()
             state.loading.update(ordered)
-            self._channel.extend_leases(
-                self._namespace, ordered, state.holder, self._cfg.lease_ttl_s
-            )
+            # A key still asked (a HIT from the picture) gets a whole lease as its ask lands.
+            if held := [k for k in ordered if k not in state.in_flight]:
+                ttl_s = self._cfg.lease_ttl_s
+                self._channel.extend_leases(self._namespace, held, state.holder, ttl_s)
             return LoadSpec.build(self._namespace, ordered, where)
 
     @override

@@ -36,7 +36,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import cast
@@ -54,7 +53,7 @@ from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.errors import TierStoreError
 from tierstore.store.node_store import ShardEntry
-from tierstore.vllm.arena_jobs import ArenaJobs, Commit
+from tierstore.vllm.arena_jobs import ArenaJobs, Commit, PendingCommits
 from tierstore.vllm.commit_queue import BatchQueue
 from tierstore.vllm.cpu_affinity import leave_compute_cores
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
@@ -113,7 +112,7 @@ class TierStoreWorker(OffloadingWorker):
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
         self._stores = BatchQueue(self._send_stores, "tierstore-stores")
-        self._uncommitted: set[Commit] = set()  # reported done, not answered yet
+        self._uncommitted = PendingCommits()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
         self.arena = ArenaJobs(self._copier, ports.local_node, (rank, world_size), self._map_arena)
 
@@ -145,8 +144,7 @@ class TierStoreWorker(OffloadingWorker):
             self._queue_store(put)
             return True
         commit = Commit(job_id, extents, dst_spec, plan, gathered)
-        with self._lock:
-            self._uncommitted.add(commit)
+        self._uncommitted.add(commit)
         if gathered.copied():  # host copies: already in the extents
             self._track(job_id, _done(_copied(commit)))
             self._queue_store(commit)
@@ -161,7 +159,7 @@ class TierStoreWorker(OffloadingWorker):
             commit.gathered.wait_copied()
         except Exception as exc:
             self._store_failed(commit.job_id, len(commit.plan.chunks), exc)
-            self._end_commits([commit])
+            self._uncommitted.end([commit])
             return _copied(commit)
         self._queue_store(commit)
         return _copied(commit)
@@ -170,10 +168,7 @@ class TierStoreWorker(OffloadingWorker):
         """Blocks until every arena store submitted so far was committed (answered by its
         NodeStore, or failed and counted); False at the deadline. For tests and
         benchmarks: vLLM never needs it."""
-        with self._lock:
-            pending = [c.done for c in self._uncommitted]
-        _, not_done = futures_wait(pending, timeout=timeout_s)
-        return not not_done
+        return self._uncommitted.wait(timeout_s) is not False
 
     def _put_object(self, put: ObjectPut) -> None:
         """Store stream: the object-store path (no arena extents at hand); the job is
@@ -193,7 +188,7 @@ class TierStoreWorker(OffloadingWorker):
         except Exception as exc:  # shut down
             self._store_failed(item.job_id, len(item.plan.chunks), exc)
             if isinstance(item, Commit):
-                self._end_commits([item])
+                self._uncommitted.end([item])
             else:
                 item.done.set_result(_copied(item))
 
@@ -227,14 +222,7 @@ class TierStoreWorker(OffloadingWorker):
             for c, exc in failed:
                 self._store_failed(c.job_id, len(c.plan.chunks), exc)
         finally:
-            self._end_commits(batch)
-
-    def _end_commits(self, batch: list[Commit]) -> None:
-        with self._lock:
-            self._uncommitted.difference_update(batch)
-        for c in batch:
-            if not c.done.done():
-                c.done.set_result(None)
+            self._uncommitted.end(batch)
 
     def _store_failed(self, job_id: int, n_chunks: int, error: Exception) -> None:
         """A lost store costs a future recompute, never wrong output: the job is
@@ -317,7 +305,9 @@ class TierStoreWorker(OffloadingWorker):
         """Transfer thread: a failed load is a result (``success=False``), not an
         exception, so the connector can recompute its request and the engine keeps going."""
         try:
-            if not self.arena.load(spec, plan, scatter, unpinned=not tried_unpinned):
+            # Its scheduler answers chunks it just stored as HITs: their commits first.
+            waited = self._uncommitted.wait(self._timeout_s, spec) is not None
+            if not self.arena.load(spec, plan, scatter, unpinned=waited or not tried_unpinned):
                 self._objects.load(spec, plan, scatter)  # else through the object store
             return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
         except Exception:
