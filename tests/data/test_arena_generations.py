@@ -30,7 +30,8 @@ def _adopted(tier: ArenaTier, holder: HolderLock, i: int, nbytes: int) -> tuple[
 
 
 def test_the_table_sits_after_the_extents_and_grows_with_the_region() -> None:
-    assert table_bytes(1 << 30) == MAX_TABLE_BYTES
+    assert table_bytes(1 << 40) == MAX_TABLE_BYTES
+    assert table_bytes(1 << 30) == (1 << 30) // 64  # a slot per 512 bytes of region
     assert table_bytes(256 * KiB) == 4 * KiB
     assert table_bytes(100) == 8  # one slot: every free bumps it (loads pin more often)
     region = np.zeros(256 * KiB, dtype=np.uint8)
