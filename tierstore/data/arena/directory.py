@@ -155,12 +155,12 @@ class ShardDirectory:
         words = self._words
         bucket = (lo & self._mask) * _WAYS * _WORDS
         for at in range(bucket, bucket + _WAYS * _WORDS, _WORDS):
+            if words[at + _HASH_LO] != lo:  # one word per way that is not this shard's
+                continue
             seq = words[at]  # seq first, then the fields, then seq again
             row = words[at : at + _WORDS].tolist()
-            if row[_HASH_HI] != hi or row[_HASH_LO] != lo:
-                continue
-            if seq & 1 or words[at] != seq or row[_SEQ] != seq:
-                return None  # being written: not trusted
+            if seq & 1 or words[at] != seq or row[_SEQ] != seq or row[_HASH_HI] != hi:
+                return None  # being written, or another shard's: not trusted
             meta = ShardMeta(row[_NBYTES], row[_DIGEST], _decode_slots(row[_SLOTS]))
             return Located(row[_OFFSET], meta, row[_GENERATION])
         return None
