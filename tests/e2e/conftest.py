@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from tierstore.deploy.models import ENGINE_LIMITS, make_tiny_model
 from tierstore.deploy.passes import REFERENCE_SPEC, TIERSTORE_SPEC, random_prompt
 
@@ -160,22 +161,29 @@ class Family:
     device_cache: bool = True  # False: vLLM runs this family without prefix caching
 
 
+# vLLM raises a GDN model's attention block until an attention page is as large as a GDN
+# state page. Where the CPU has AVX-512 BF16, vLLM-CPU's accelerated GDN kernel keeps
+# the SSM state in float32 (vllm/platforms/cpu.py: "Reset SSM cache type to float32"),
+# twice the bytes of the bf16 state elsewhere: the tiny Qwen models then get 288-token
+# blocks instead of 160 (measured on an AMD EPYC with avx512_bf16).
+GDN_BLOCK = 288 if torch.cpu._is_avx512_bf16_supported() else 160
+
 FAMILIES = [
     Family("llama", "float32", (32,)),
     Family("gemma3", "float32", (32, 32, 32)),  # sliding + full attention
     Family("gpt-oss", "float32", (32, 32)),  # sliding + full attention
-    Family("qwen3-next", "bfloat16", (160,) * 4),  # 3 GDN (Mamba-style state) + 1 full attention
+    Family("qwen3-next", "bfloat16", (GDN_BLOCK,) * 4),  # 3 GDN (Mamba-style state) + 1 full
     Family("nemotron-h", "float32", (32, 32, 32)),  # Mamba2 (align mode) + full attention
     # Gemma 4: sliding layers of head dim 32, full ones of 64, per-layer embeddings. vLLM
     # gives the groups one page size, so the full layers' blocks hold half the tokens.
     # With weight offloading (--cpu-offload-gb), the combination vLLM's report was about.
     Family("gemma4", "float32", (64, 64, 32), engine=WEIGHT_OFFLOAD),
-    # Qwen3.6: GDN + full attention. vLLM raises the block to 160 tokens so an attention
+    # Qwen3.6: GDN + full attention. vLLM raises the block (GDN_BLOCK) so an attention
     # page is as large as a GDN state page (the group's "Mamba-style" state exists only
     # where a block ends), so a restore resumes at the last block boundary before the
-    # prompt's final token: 960 of 1,000 (README "Families on the CPU build").
-    Family("qwen3.6", "bfloat16", (160,) * 3, engine=WEIGHT_OFFLOAD),
-    Family("qwen3.6-moe", "bfloat16", (160,) * 3),
+    # prompt's final token: 960 of 1,000 at 160 (README "Families on the CPU build").
+    Family("qwen3.6", "bfloat16", (GDN_BLOCK,) * 3, engine=WEIGHT_OFFLOAD),
+    Family("qwen3.6-moe", "bfloat16", (GDN_BLOCK,) * 3),
     Family("llama4", "float32", (32, 32, 32, 32)),  # chunked local attention + NoPE full
     # MLA: one latent group; vLLM's CPU MLA kernel forces block 16 and vllm/platforms/
     # cpu.py (0.32, lines 516-527) turns prefix caching and chunked prefill off for MLA
