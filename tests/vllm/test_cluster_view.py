@@ -46,6 +46,11 @@ class ManualChannel:
         self.polls.pop(i)[1](value)
 
 
+def _in_memory(view: ClusterView, k: ChunkKey, now: float, node: NodeId) -> NodeId | None:
+    """Where the picture alone says ``k`` is loadable from (nothing stored here lately)."""
+    return view.loadable_from(k, now, node, stored_here_lately=False)
+
+
 def _view() -> tuple[ClusterView, ManualChannel]:
     channel = ManualChannel()
     view = ClusterView(channel, NS, threading.RLock(), ManagerMetrics(), None, AGE_S)  # type: ignore[arg-type]
@@ -77,7 +82,7 @@ def test_absent_only_with_a_fresh_picture() -> None:
 
 def test_a_copy_in_memory_is_found_on_the_asking_node_first() -> None:
     view, channel = _view()
-    assert view.in_memory(key(1), 0.0, A) is None  # no picture yet
+    assert _in_memory(view, key(1), 0.0, A) is None  # no picture yet
     view.maybe_poll(0.0)
     batch = [
         event(A, DISK, False, 1, 2),
@@ -86,14 +91,26 @@ def test_a_copy_in_memory_is_found_on_the_asking_node_first() -> None:
         event(B, DISK, False, 2, 4),
     ]
     channel.answer("events", EventBatch(4, 0, batch, "e1"))
-    assert view.in_memory(key(1), 0.1, A) == B  # memory elsewhere, not A's disk
-    assert view.in_memory(key(2), 0.1, A) is None  # on disk only: asked
-    assert view.in_memory(key(3), 0.1, A) == A and view.in_memory(key(3), 0.1, B) == B
-    assert view.in_memory(key(9), 0.1, A) is None
-    assert view.in_memory(key(3), AGE_S + 0.01, A) is None  # stale: asked
+    assert _in_memory(view, key(1), 0.1, A) == B  # memory elsewhere, not A's disk
+    assert _in_memory(view, key(2), 0.1, A) is None  # on disk only: asked
+    assert _in_memory(view, key(3), 0.1, A) == A and _in_memory(view, key(3), 0.1, B) == B
+    assert _in_memory(view, key(9), 0.1, A) is None
+    assert _in_memory(view, key(3), AGE_S + 0.01, A) is None  # stale: asked
     view.maybe_poll(0.15)
     channel.answer("events", EventBatch(5, 0, [event(B, CPU, True, 1)], "e1"))
-    assert view.in_memory(key(1), 0.2, A) is None
+    assert _in_memory(view, key(1), 0.2, A) is None
+
+
+def test_a_chunk_stored_here_lately_loads_from_here_unless_the_picture_knows_it() -> None:
+    """This engine's fresh store, not in the picture (committed after the poll) or with no
+    fresh picture at all: this node. One the picture knows goes by the picture."""
+    view, channel = _view()
+    assert view.loadable_from(key(1), 0.0, A, stored_here_lately=True) == A  # no picture
+    view.maybe_poll(0.0)
+    channel.answer("events", EventBatch(2, 0, [event(B, DISK, False, 2)], "e1"))
+    assert view.loadable_from(key(1), 0.1, A, stored_here_lately=True) == A
+    assert view.loadable_from(key(2), 0.1, A, stored_here_lately=True) is None  # disk only
+    assert view.loadable_from(key(1), AGE_S + 0.01, A, stored_here_lately=True) == A
 
 
 def test_a_failed_poll_leaves_the_picture_to_age_out() -> None:
@@ -127,11 +144,11 @@ def test_a_cache_reset_drops_the_picture_and_any_snapshot_asked_before_it() -> N
     channel.answer("events", EventBatch(5, 0, [], "e1"))
     assert view.absent(key(1), 0.05)
     view.drop(0.06)
-    assert not view.absent(key(1), 0.07) and view.in_memory(key(1), 0.07, A) is None
+    assert not view.absent(key(1), 0.07) and _in_memory(view, key(1), 0.07, A) is None
     view.maybe_poll(0.1)  # a snapshot, answered after the next reset
     view.drop(0.12)
     channel.answer("events", EventBatch(6, 0, [], "e1"))
     assert not view.absent(key(1), 0.13)
     view.maybe_poll(0.2)
     channel.answer("events", EventBatch(7, 0, [event(A, CPU, False, 1)], "e1"))
-    assert view.absent(key(2), 0.21) and view.in_memory(key(1), 0.21, A) == A
+    assert view.absent(key(2), 0.21) and _in_memory(view, key(1), 0.21, A) == A

@@ -424,9 +424,9 @@ def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
     cfg: TierStoreConfig,
 ) -> None:
     """A worker's commit may reach the Evictor after the picture's last poll: a chunk this
-        engine stored within the commit grace that no fresh picture shows is a HIT at once,
-        from this node (the worker waits for its own commit). One the picture shows on disk
-        only is asked (its lookup starts the promotion); one stored longer ago is what the
+    engine stored within the commit grace that no fresh picture shows is a HIT at once,
+    from this node (the worker waits for its own commit). One the picture shows on disk
+    only is asked (its lookup starts the promotion); one stored longer ago is what the
     picture says (here: held nowhere, a MISS)."""
     cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)  # no events poll meanwhile
     evictor = EvictorClient(get_or_create_evictor(cfg))

@@ -136,12 +136,6 @@ class ClusterView:
         presence = self._fresh(now)
         return presence is not None and key not in presence
 
-    def in_memory(self, key: ChunkKey, now: float, prefer: NodeId | None) -> NodeId | None:
-        """A node holding ``key`` in memory (``prefer``, this engine's node, first) as of
-        a picture at most ``max_age_s`` old, or None: none, or no fresh picture."""
-        presence = self._fresh(now)
-        return presence.in_memory(key, prefer) if presence is not None else None
-
     def loadable_from(
         self, key: ChunkKey, now: float, local: NodeId | None, stored_here_lately: bool
     ) -> NodeId | None:

@@ -159,7 +159,7 @@ class ShardDirectory:
                 continue
             seq = words[at]  # seq first, then the fields, then seq again
             row = words[at : at + _WORDS].tolist()
-            if seq & 1 or words[at] != seq or row[_SEQ] != seq or row[_HASH_HI] != hi:
+            if seq & 1 or words[at] != seq or row[_HASH_HI] != hi:
                 return None  # being written, or another shard's: not trusted
             meta = ShardMeta(row[_NBYTES], row[_DIGEST], _decode_slots(row[_SLOTS]))
             return Located(row[_OFFSET], meta, row[_GENERATION])
