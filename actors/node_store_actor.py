@@ -12,6 +12,9 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
   Evictor's decisions applied in the order it made them, as before.
 - the default group (one thread): ``inventory``, ``status`` and the ``*_for_test``
   methods: quick reads, answered even while a store waits on ``admit``.
+- a write-through thread (not Ray's): copies stored shards to disk after their store is
+  answered, in batches, so a commit never waits behind the last one's disk writes and
+  no Ray call to itself is made per store.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
+from tierstore.store.batch_queue import BatchQueue
 from tierstore.store.node_store import NodeStoreCore, ShardEntry
 
 logger = logging.getLogger(__name__)
@@ -65,6 +69,8 @@ _RESTORE_TIMEOUT_S = 120.0
 _BUFFER_TIMEOUT_S = 60.0
 # The arena's room beyond the CPU tier: extents granted to workers and not committed
 # yet, and extents pinned by loads after the Evictor dropped their shard.
+# A graceful stop writes what is queued for write-through up to this long.
+_WRITE_THROUGH_DRAIN_S = 10.0
 _GRANT_ROOM_MIN = 256 << 20
 _GRANT_ROOM_SHARE = 8
 
@@ -194,14 +200,16 @@ class NodeStore:
             path, self._lock = _claim_disk_dir(Path(os.path.expanduser(cfg.disk_path)), node_id)
             disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync)
         self._cpu = _open_arena(cfg, node_id, disk.root if disk is not None else None)
-        self._me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
         self._apply_failures = 0
+        self._write_through: BatchQueue[list[ShardId]] = BatchQueue(
+            self._write, "tierstore-write-through"
+        )
         self._core = NodeStoreCore(
             NodeId(node_id),
             self._cpu,
             disk,
             RayEvictorPort(evictor),
-            defer=self._defer,
+            defer=self._write_through.put,
             peers=RayPeers(cfg.namespace),
         )
         self._arena = ArenaStore(self._core, self._cpu)
@@ -209,9 +217,9 @@ class NodeStore:
         if recovered:
             logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
 
-    def _defer(self, actions: NodeActions) -> None:
-        """Queue ``actions`` to this actor, one-way, behind the store that deferred them."""
-        self._me.apply(actions)
+    def _write(self, batches: list[list[ShardId]]) -> None:
+        """Write-through thread: the shards of the stores queued since the last batch."""
+        self._core.write_through([shard_id for batch in batches for shard_id in batch])
 
     def _register(self) -> None:
         self._evictor.register_node(
@@ -333,6 +341,7 @@ class NodeStore:
     def __ray_shutdown__(self) -> None:
         """Graceful stop: the arena's file goes (a killed NodeStore's is replaced or
         removed by the next one)."""
+        self._write_through.close(_WRITE_THROUGH_DRAIN_S)
         self._cpu.close()
 
     def inventory(self) -> set[tuple[ShardId, TierName]]:
@@ -342,6 +351,7 @@ class NodeStore:
         return {
             **self._core.status(),
             "apply_failures": self._apply_failures,
+            "write_through_queued": self._write_through.queued,
             "arena": self._cpu.status(),
         }
 

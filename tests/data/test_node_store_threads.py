@@ -1,6 +1,7 @@
 """NodeStoreCore under the actor's threads: loads on several threads while one control
-thread stores, writes through, demotes and drops the same shards (real tiers, real
-files; the Evictor is an in-process fake of our own port that admits everything)."""
+thread stores, writes through, demotes and drops the same shards, and (as in the actor)
+a thread of its own writes each store through to disk (real tiers, real files; the
+Evictor is an in-process fake of our own port that admits everything)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import numpy as np
 
 from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
 from tierstore.data.checksum import digest
+from tierstore.data.tiers.base import StoredShard
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.store.batch_queue import BatchQueue
 from tierstore.store.node_store import NodeStoreCore, ShardEntry
 
 NS = Namespace("abcd")
@@ -53,6 +56,14 @@ class AdmitAll:
         pass
 
 
+class AdmitAllWriteThrough(AdmitAll):
+    """Admits every offer and asks for its write-through, as for a node with a disk."""
+
+    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
+        persist = [ShardId(o.namespace, o.key, o.rank) for o in offers]
+        return AdmitResult([True] * len(offers), {node_id: NodeActions(persist=persist)})
+
+
 def _key(i: int) -> ChunkKey:
     return ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0")
 
@@ -61,8 +72,9 @@ def _bytes(i: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, SHARD, dtype=np.uint8)
 
 
-def _control(core: NodeStoreCore, rng: random.Random) -> None:
-    """The control thread: stores, write-through, demotions, promotions and drops."""
+def _control(core: NodeStoreCore, rng: random.Random, last: dict[int, str] | None = None) -> None:
+    """The control thread: stores, write-through, demotions, promotions and drops;
+    ``last`` gets each key's last step."""
     for _ in range(ROUNDS):
         i = rng.randrange(KEYS)
         data = _bytes(i)
@@ -71,6 +83,8 @@ def _control(core: NodeStoreCore, rng: random.Random) -> None:
         sid = ShardId(NS, _key(i), 0)
         step = rng.choice(["persist", "demote", "promote", "drop"])
         core.apply(NodeActions(**{step: [sid]}))
+        if last is not None:
+            last[i] = step
 
 
 def _loads(core: NodeStoreCore, rng: random.Random, served: list[int]) -> None:
@@ -133,3 +147,87 @@ def test_loads_beside_stores_demotions_and_drops_get_right_bytes_or_a_miss(
     assert core.cpu.used_bytes == sum(m.nbytes for _, m in core.cpu.items())
     assert disk.used_bytes == sum(m.nbytes for _, m in disk.items())
     assert all(disk.get(s).meta == m for s, m in disk.items())
+
+
+def test_write_through_on_its_own_thread_leaves_no_dropped_shard_on_disk(tmp_path: Path) -> None:
+    """Each store's write-through is queued to another thread (as the actor does) while
+    the control thread demotes, promotes and drops the same shards: once it is drained,
+    a shard whose last step was a drop is nowhere (a write-through that waited behind
+    the drop wrote nothing), and every other one is on disk and verifies."""
+    disk = DiskTier(tmp_path / "disk", KEYS * SHARD)
+    core: NodeStoreCore | None = None
+
+    def write(batches: list[list[ShardId]]) -> None:
+        assert core is not None
+        core.write_through([shard_id for batch in batches for shard_id in batch])
+
+    queue: BatchQueue[list[ShardId]] = BatchQueue(write, "test-write-through")
+    evictor = AdmitAllWriteThrough()
+    core = NodeStoreCore(NODE, MemoryTier(KEYS * SHARD), disk, evictor, defer=queue.put)
+    last: dict[int, str] = {}
+    served: list[int] = []
+    for seed in range(5):
+        errors = _run(
+            [
+                lambda s=seed: _control(core, random.Random(s), last),
+                lambda s=seed: _loads(core, random.Random(s * 10 + 7), served),
+            ]
+        )
+        assert not errors, errors
+    assert queue.wait_idle(30.0)
+    queue.close(1.0)
+    assert served, "no load found a shard: the test proved nothing"
+    assert "drop" in last.values() and set(last.values()) != {"drop"}
+    for i, step in last.items():
+        sid = ShardId(NS, _key(i), 0)
+        if step == "drop":
+            assert sid not in disk and sid not in core.cpu, (i, "written after its drop")
+        else:
+            assert disk.get(sid).meta.digest == digest(_bytes(i)), (i, step)
+    assert disk.used_bytes == sum(m.nbytes for _, m in disk.items())
+    assert core.status()["stats"]["corrupt_before_hit"] == 0
+
+
+class GatedDisk(DiskTier):
+    """A real disk tier whose writes wait at a gate once started, so a test can drop a
+    shard while its write-through is under way."""
+
+    def __init__(self, root: Path, capacity: int) -> None:
+        super().__init__(root, capacity)
+        self.writing = threading.Event()
+        self.gate = threading.Event()
+
+    def put(self, shard_id: ShardId, shard: StoredShard) -> None:
+        self.writing.set()
+        assert self.gate.wait(10.0)
+        super().put(shard_id, shard)
+
+
+def test_a_drop_during_a_write_through_leaves_nothing_on_disk(tmp_path: Path) -> None:
+    """The Evictor drops a shard while the write-through thread is writing it: the drop
+    waits for that one write and then removes it, so no file outlives the drop (the
+    Evictor would never drop it again)."""
+    disk = GatedDisk(tmp_path / "disk", KEYS * SHARD)
+    core: NodeStoreCore | None = None
+
+    def write(batches: list[list[ShardId]]) -> None:
+        assert core is not None
+        core.write_through([shard_id for batch in batches for shard_id in batch])
+
+    queue: BatchQueue[list[ShardId]] = BatchQueue(write, "test-write-through")
+    core = NodeStoreCore(
+        NODE, MemoryTier(KEYS * SHARD), disk, AdmitAllWriteThrough(), defer=queue.put
+    )
+    data = _bytes(1)
+    core.store(NS, 0, 1, [ShardEntry(_key(1), 0, SHARD, digest(data), 1)], data)
+    sid = ShardId(NS, _key(1), 0)
+    assert disk.writing.wait(10.0), "the store queued no write-through"
+    dropping = threading.Thread(target=core.drop, args=([sid],))
+    dropping.start()
+    dropping.join(0.3)  # the drop has run by now, or waits for the write
+    disk.gate.set()
+    dropping.join(10.0)
+    assert queue.wait_idle(10.0)
+    queue.close(1.0)
+    assert sid not in disk and sid not in core.cpu
+    assert disk.used_bytes == 0

@@ -10,9 +10,13 @@ failed.
 
 Threads (the actor's concurrency groups): ``load`` runs on several data threads at once;
 ``store``, ``apply``, ``accept_replicas`` and ``register_inventory`` on one control
-thread; ``inventory``/``status`` on a third. The tiers lock their own indexes (never
-across a payload read or write), the core locks its stats, and no lock is ever held
-across an Evictor or peer call, so a load never waits on either. A load copies out of
+thread; ``inventory``/``status`` on a third; a store's write-through on a thread of its
+own (``defer``), so the next store never waits behind the last one's disk writes. The
+tiers lock their own indexes (never across a payload read or write), the core locks its
+stats, and no lock is ever held across an Evictor or peer call, so a load never waits
+on either. Every disk change of a shard (write, demotion, promotion, drop) holds the
+core's disk lock, so a write-through and the Evictor's decisions never interleave on
+one shard: a shard dropped while its write-through waited is not written after. A load copies out of
 a shard array that is never written after it is stored: a concurrent drop only removes
 the tier's reference, and a dropped disk file fails the read cleanly.
 """
@@ -70,16 +74,19 @@ class NodeStoreCore(Replicas):
     cpu: Tier  # the node's shared arena in the actor (ArenaTier)
     disk: DiskTier | None
     evictor: EvictorPort
-    # Runs actions later (the actor queues them to itself, after the store is
-    # acknowledged, so write-through never delays a store); default: right away.
-    defer: Callable[[NodeActions], None] | None = None
+    # Writes shards through to disk later (the actor: on its write-through thread, after
+    # the store is acknowledged, so it never delays a store); default: right away.
+    defer: Callable[[list[ShardId]], None] | None = None
     peers: PeerPort | None = None  # None: replicas cannot be pushed (reported failed)
     stats: NodeStoreStats = field(default_factory=NodeStoreStats)
     _stats_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Held by every change of a shard's disk copy, one shard at a time (reentrant: a
+    # failed write-through drops its shard); never across an Evictor or peer call.
+    _disk_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def __post_init__(self) -> None:
         if self.defer is None:
-            self.defer = self.apply
+            self.defer = self.write_through
         if self.disk is not None:  # corrupt files found (and removed) while re-indexing
             self._count(corrupt_before_hit=self.disk.corrupt_chunks_removed)
 
@@ -178,14 +185,15 @@ class NodeStoreCore(Replicas):
             self.evictor.forget_shards(self.node_id, lost)
         if persist:
             assert self.defer is not None
-            self.defer(NodeActions(persist=persist))
+            self.defer(persist)
 
     def keep(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
         """Hold an admitted shard in memory, or ``to_disk`` (demoted on admission): written
         in the store call, since the CPU tier has no room to hold it until later."""
         try:
             if to_disk and self.disk is not None:
-                self.disk.put(shard_id, shard)
+                with self._disk_lock:
+                    self.disk.put(shard_id, shard)
                 self._count(demoted_shards=1)
             else:
                 self.cpu.put(shard_id, shard)
@@ -214,12 +222,22 @@ class NodeStoreCore(Replicas):
             self.evictor.promoted(self.node_id, done, failed, refused)
         self._push(actions.push)
 
+    def write_through(self, shard_ids: list[ShardId]) -> None:
+        """Copy stored shards to disk; their memory copies stay. The actor's
+        write-through thread (``defer``). A shard no longer in memory (dropped or demoted
+        meanwhile) is not written again; one that cannot be written is dropped, and the
+        Evictor, which counts on a disk copy, forgets it."""
+        lost = [s for s in shard_ids if not self._persist(s)]
+        if lost:
+            self.evictor.forget_shards(self.node_id, lost)
+
     def drop(self, shard_ids: list[ShardId]) -> int:
         freed = 0
         for shard_id in map(shard_id_of, shard_ids):
-            freed += self.cpu.delete(shard_id)
-            if self.disk is not None:
-                freed += self.disk.delete(shard_id)
+            with self._disk_lock:
+                freed += self.cpu.delete(shard_id)
+                if self.disk is not None:
+                    freed += self.disk.delete(shard_id)
             self._count(dropped_shards=1)
         return freed
 
@@ -230,7 +248,8 @@ class NodeStoreCore(Replicas):
         if shard_id in self.disk:
             return True
         try:
-            self.disk.put(shard_id, self.cpu.get(shard_id))
+            with self.cpu.reading():  # its extent is not reused while it is written
+                self.disk.put(shard_id, self.cpu.get(shard_id))
         except ChunkNotFoundError:
             return False  # not in memory (a load may have just dropped it as corrupt)
         except (TierFullError, ValueError):
@@ -241,17 +260,19 @@ class NodeStoreCore(Replicas):
 
     def _demote(self, shard_id: ShardId) -> bool:
         """Free the memory copy; written first if it is not on disk yet."""
-        written = self._write_to_disk(shard_id)
-        self.cpu.delete(shard_id)
+        with self._disk_lock:
+            written = self._write_to_disk(shard_id)
+            self.cpu.delete(shard_id)
         if written:
             self._count(demoted_shards=1)
         return written
 
     def _persist(self, shard_id: ShardId) -> bool:
         """Write-through after a store: the memory copy stays."""
-        if self._write_to_disk(shard_id):
-            return True
-        self.drop([shard_id])  # the index expected a disk copy: keep the two in step
+        with self._disk_lock:
+            if self._write_to_disk(shard_id):
+                return True
+            self.drop([shard_id])  # the index expected a disk copy: keep the two in step
         return False
 
     def _promote(self, shard_id: ShardId) -> Promotion:

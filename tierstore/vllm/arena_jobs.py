@@ -4,7 +4,7 @@ A store gathers its pages straight into extents the worker was granted ahead of 
 submit, on the model-runner thread, no round trip), and is done once its bytes are
 there: its blocks may be reused. The commit thread then hashes the extents (off the
 model-runner thread, beside the next forward) and sends (key, extent, digest) to the
-NodeStore, batched with others (:mod:`tierstore.vllm.commit_queue`), answered later;
+NodeStore, batched with others (:mod:`tierstore.store.batch_queue`), answered later;
 the NodeStore adopts the extents as they are, no copy, no second hash. A same-node load
 (of shards any worker of the node stored) finds their extents in the arena's directory
 (:mod:`tierstore.data.arena.directory`) and reads them with no round trip: generation,

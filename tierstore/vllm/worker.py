@@ -52,9 +52,9 @@ from vllm.v1.kv_offload.base import (
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.errors import TierStoreError
+from tierstore.store.batch_queue import BatchQueue
 from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.arena_jobs import ArenaJobs, Commit, PendingCommits
-from tierstore.vllm.commit_queue import BatchQueue
 from tierstore.vllm.cpu_affinity import leave_compute_cores
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
 from tierstore.vllm.object_loads import ObjectLoads
@@ -111,7 +111,9 @@ class TierStoreWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
-        self._stores = BatchQueue(self._send_stores, "tierstore-stores")
+        self._stores = BatchQueue(
+            self._send_stores, "tierstore-stores", on_start=leave_compute_cores
+        )
         self._uncommitted = PendingCommits()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
         self.arena = ArenaJobs(self._copier, ports.local_node, (rank, world_size), self._map_arena)
