@@ -211,7 +211,7 @@ class NodeStoreClient:
         rank: int,
         world_size: int,
         entries: list[ShardEntry],
-    ) -> Pending[tuple[int, str]]:
+    ) -> Pending[tuple[int, str, list[int | None]]]:
         return self._call("arena_commit", holder, epoch, namespace, rank, world_size, entries)
 
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:

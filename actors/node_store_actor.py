@@ -312,7 +312,7 @@ class NodeStore:
         rank: int,
         world_size: int,
         entries: list[ShardEntry],
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, list[int | None]]:
         shards = [ShardEntry(*e) for e in entries]
         try:
             return self._arena.commit(holder, epoch, namespace, rank, world_size, shards)

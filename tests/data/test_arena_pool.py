@@ -73,3 +73,20 @@ def test_extents_granted_back_to_back_are_taken_in_order_so_a_job_copies_as_one_
     assert first is not None and second is not None
     assert runs_of(plan.chunks, first) == [Run(0, plan.nbytes, 0)]
     assert runs_of(plan.chunks, second) == [Run(0, plan.nbytes, plan.nbytes)]
+
+
+def test_a_commits_answer_replenishes_the_pool_up_to_its_target_and_no_further() -> None:
+    """A steady stream of stores refills from its commits' answers: the pool is short
+    only when another job would miss, and extents beyond its target (an answer to a
+    refill came meanwhile) or of a replaced arena are given back."""
+    pool = ExtentPool(budget_bytes=10_000, epoch="a")
+    pool.take([100, 100])
+    pool.add(pool.wanted(), [0, 100, 200, 300], "a")  # two jobs' worth
+    assert pool.take([100, 100]) == [0, 100]
+    assert not pool.short([100, 100])  # one job left: its commit's answer refills
+    assert pool.replenish([100, 100], [400, 500], "a") == []
+    assert pool.held_bytes == 400 and pool.wanted() == []
+    assert pool.replenish([100], [600], "a") == [600]  # beyond twice the job
+    assert pool.replenish([100, 100], [None, 700], "b") == [700]  # another arena's
+    assert pool.take([100, 100]) is not None and pool.take([100, 100]) is not None
+    assert pool.short([100, 100]) and pool.take([100, 100]) is None

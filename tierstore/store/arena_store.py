@@ -58,11 +58,13 @@ class ArenaStore:
         rank: int,
         world_size: int,
         entries: list[ShardEntry],
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, list[int | None]]:
         """Adopt what the Evictor admits of ``holder``'s filled extents (verified, no
-        copy); the rest go back to the arena. Returns (shards held, current epoch)."""
+        copy); the rest go back to the arena. Returns (shards held, current epoch, fresh
+        extents granted to ``holder`` in their place: one per entry, None where the
+        arena is full), so a worker's pool refills with no call of its own."""
         if epoch != self.epoch:
-            return 0, self.epoch
+            return 0, self.epoch, [None] * len(entries)
         core = self._core
         accepted, to_disk, persist = core.admit(namespace, rank, world_size, entries)
         kept = 0
@@ -84,7 +86,7 @@ class ArenaStore:
             kept += 1
             core._count(stored_shards=1, stored_bytes=entry.nbytes)
         core.settle_store(lost, persist)
-        return kept, self.epoch
+        return kept, self.epoch, self.tier.grant(holder, [e.nbytes for e in entries])
 
     def _to_disk(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
         """Write a committed extent to the disk tier, then free it (the file keeps the

@@ -205,7 +205,7 @@ class ArenaJobs:
                 arena.give_back(offsets)
                 raise
         finally:
-            arena.refill()
+            arena.refill_if_short(sizes)
         self.arena_stores += 1
         return Filled(arena, offsets, arena.array), gathered
 

@@ -58,7 +58,7 @@ class ArenaCalls(Protocol):
         rank: int,
         world_size: int,
         entries: list[ShardEntry],
-    ) -> Reply[tuple[int, str]]: ...
+    ) -> Reply[tuple[int, str, list[int | None]]]: ...
 
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Reply[None]: ...
 
@@ -134,8 +134,14 @@ class WorkerArena:
 
     def take(self, sizes: list[int]) -> list[int] | None:
         """Model-runner thread: granted extents for a job's shards, or None (take the
-        other path). Call :meth:`refill` after the job's copy."""
+        other path). Call :meth:`refill_if_short` after the job's copy."""
         return self.pool.take(sizes)
+
+    def refill_if_short(self, sizes: list[int]) -> None:
+        """Any thread, never blocks: refill now if another job of these shard sizes
+        would find the pool short; else the job's commit brings its extents' successors."""
+        if self.pool.short(sizes):
+            self.refill()
 
     def commit(
         self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
@@ -143,10 +149,10 @@ class WorkerArena:
         """Transfer thread: hand filled extents to the NodeStore; returns shards kept, or
         None if it has a new arena (restarted) and adopted nothing. On failure the
         extents are given back (those it adopted are no longer granted, so giving them
-        back frees nothing of theirs)."""
+        back frees nothing of theirs). The answer's fresh extents go to the pool."""
         epoch = self.epoch
         try:
-            kept, current = (
+            kept, current, granted = (
                 self._calls()
                 .arena_commit(self.holder, epoch, namespace, rank, world_size, entries)
                 .result(self._timeout_s)
@@ -157,6 +163,8 @@ class WorkerArena:
         if current != epoch:
             self.stale = True  # nothing was adopted: those extents are not that arena's
             return None
+        extra = self.pool.replenish([e.nbytes for e in entries], granted, current)
+        self.give_back(extra, current)
         return int(kept)
 
     def give_back(self, offsets: list[int], epoch: str | None = None) -> None:

@@ -1,12 +1,14 @@
 """A worker's pool of extents its NodeStore granted ahead of time, by size.
 
-A store takes its extents from here at submit, with no round trip; the pool then asks
-for more in the background (:meth:`wanted`, answered by :meth:`add`). How many to keep
-of a size adapts to the jobs seen: twice the most taken between two refill answers (a
-serving engine submits a burst of stores per step, one per request), within a byte
-budget, so a worker holds little of the arena while idle and enough to never wait while
-busy. A take that the pool cannot serve whole takes nothing: the caller falls back or
-skips the store and counts it.
+A store takes its extents from here at submit, with no round trip. Its commit's answer
+brings as many fresh extents as it handed over (:meth:`replenish`), so a steady stream
+of stores makes no grant call of its own; the pool asks for more in the background only
+when it could not serve another job like the last (:meth:`short`; :meth:`wanted`,
+answered by :meth:`add`). How many to keep of a size adapts to the jobs seen: twice the
+most taken between two answers (a serving engine submits a burst of stores per step,
+one per request), within a byte budget, so a worker holds little of the arena while
+idle and enough to never wait while busy. A take that the pool cannot serve whole takes
+nothing: the caller falls back or skips the store and counts it.
 
 Thread-safe: ``take`` runs on the model-runner thread, ``add``/``wanted`` on a
 transfer thread; one lock, held for microseconds.
@@ -54,6 +56,12 @@ class ExtentPool:
                 return None
             return [self._free[size].popleft() for size in sizes]
 
+    def short(self, sizes: Sequence[int]) -> bool:
+        """Whether another job of these shard sizes would find the pool short."""
+        need = Counter(sizes)
+        with self._lock:
+            return any(len(self._free.get(size, ())) < n for size, n in need.items())
+
     def wanted(self) -> list[int]:
         """Sizes to ask the NodeStore for now (marked asked until :meth:`add`)."""
         with self._lock:
@@ -84,6 +92,29 @@ class ExtentPool:
                 if offset is not None:
                     self._free.setdefault(size, deque()).append(offset)
             return []
+
+    def replenish(
+        self, sizes: Sequence[int], offsets: Sequence[int | None], epoch: str
+    ) -> list[int]:
+        """Fresh extents a commit's answer brought, one per extent it handed over (not
+        asked for by :meth:`wanted`). Returns offsets to give back: of another arena, or
+        beyond what the pool keeps (an answer to :meth:`wanted` came meanwhile)."""
+        with self._lock:
+            self._burst.clear()
+            if epoch != self.epoch:
+                return [o for o in offsets if o is not None]
+            held = sum(s * len(v) for s, v in self._free.items())
+            extra: list[int] = []
+            for size, offset in zip(sizes, offsets, strict=True):
+                if offset is None:
+                    continue
+                free = self._free.setdefault(size, deque())
+                if len(free) >= self._target[size] or held + size > self.budget_bytes:
+                    extra.append(offset)
+                    continue
+                free.append(offset)
+                held += size
+            return extra
 
     def reset(self, epoch: str) -> list[int]:
         """A new arena (the NodeStore restarted): forget the old one's extents."""
