@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import ray
 from tierstore.actors.bootstrap import find_node_store
@@ -47,6 +48,40 @@ def test_extents_granted_to_a_killed_worker_are_reclaimed(cfg: TierStoreConfig) 
     me.close()
     arena = store.status().result()["arena"]
     assert arena["granted_bytes"] == 0 and arena["arena_free_bytes"] == free
+
+
+def test_a_killed_workers_extents_come_back_while_another_worker_only_commits(
+    cfg: TierStoreConfig,
+) -> None:
+    """A worker storing steadily refills its pool from its commits' answers and makes no
+    grant call; its commits still sweep what a killed worker held (at most once a
+    second), so nothing leaks while no grant call comes."""
+    worker = _worker(cfg, _kv())
+    src = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])
+
+    def store(job: int) -> None:
+        worker.submit_store(job, src, StoreSpec(NS, tuple(_keys(2, 0, start=10 * job))))
+        assert _drain(worker, 1) == [job]
+        assert worker.wait_committed(30.0)
+
+    for job in (1, 2, 3):  # the first maps the arena; the pool fills
+        store(job)
+    assert worker.arena.arena_stores >= 1
+    node_store = _node_store(cfg)
+    region, _ = node_store.arena_info().result()
+    proc, holder = holder_process(region.path)
+    try:
+        _, offsets = node_store.arena_grant(holder, region.epoch, [4096] * 4).result()
+        assert None not in offsets
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(1.1)  # past the commits' sweep interval
+    store(4)
+    pool = worker.arena._arena.pool
+    sizes = [c.nbytes for c in worker._plan(src, 2, 0).chunks]
+    assert not pool.short(sizes)  # the commit refilled it: no grant call was due
+    assert node_store.status().result()["arena"]["granted_bytes"] == pool.held_bytes
 
 
 def _replaced(cfg: TierStoreConfig, node: str) -> bool:

@@ -12,6 +12,7 @@ Called on the NodeStore's threads; the tier has its own lock.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from tierstore.data.arena.region import RegionInfo
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A commit sweeps dead holders at most this often (a grant call always does): each
+# sweep probes every holder's lock, and commits come once per store.
+_SWEEP_EVERY_S = 1.0
+
 
 class StaleArenaError(TierStoreError):
     """The caller mapped an arena this NodeStore no longer has."""
@@ -34,6 +39,7 @@ class ArenaStore:
     def __init__(self, core: NodeStoreCore, tier: ArenaTier) -> None:
         self._core = core
         self.tier = tier
+        self._next_sweep = 0.0
 
     @property
     def epoch(self) -> str:
@@ -86,7 +92,17 @@ class ArenaStore:
             kept += 1
             core._count(stored_shards=1, stored_bytes=entry.nbytes)
         core.settle_store(lost, persist)
-        return kept, self.epoch, self.tier.grant(holder, [e.nbytes for e in entries])
+        return kept, self.epoch, self._regrant(holder, [e.nbytes for e in entries])
+
+    def _regrant(self, holder: str, sizes: list[int]) -> list[int | None]:
+        """Fresh extents for a holder that just committed (so it is alive); what dead
+        holders left is swept first, at most every :data:`_SWEEP_EVERY_S`: with commits
+        bringing extents, a worker that stores steadily makes no grant call that would."""
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_EVERY_S
+            self.tier.reclaim_dead()
+        return self.tier.grant(holder, sizes, alive=True)
 
     def _to_disk(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
         """Write a committed extent to the disk tier, then free it (the file keeps the

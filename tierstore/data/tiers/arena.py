@@ -183,10 +183,13 @@ class ArenaTier(Tier):
         return offset
 
     # ---- grants: extents workers fill ------------------------------------------------------
-    def grant(self, holder: str, sizes: list[int]) -> list[int | None]:
+    def grant(self, holder: str, sizes: list[int], alive: bool = False) -> list[int | None]:
         """Extents for ``holder`` to gather shards into, one per size (None: no room).
-        Raises PermissionError if ``holder`` holds no live lock: its grants could leak."""
-        self.holdings.check_alive(holder)
+        Raises PermissionError if ``holder`` holds no live lock: its grants could leak.
+        ``alive``: the holder just handed extents over, so its lock is not probed again
+        (three syscalls per call; a holder that died since is swept as any other)."""
+        if not alive:
+            self.holdings.check_alive(holder)
         out: list[int | None] = []
         with self._lock:
             for nbytes in sizes:
