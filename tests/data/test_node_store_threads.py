@@ -149,21 +149,25 @@ def test_loads_beside_stores_demotions_and_drops_get_right_bytes_or_a_miss(
     assert all(disk.get(s).meta == m for s, m in disk.items())
 
 
+def _core_writing_through(disk: DiskTier) -> tuple[NodeStoreCore, BatchQueue[list[ShardId]]]:
+    """A core whose stores' write-through goes to a queue's own thread, as in the actor."""
+    queue: BatchQueue[list[ShardId]] = BatchQueue(
+        lambda batches: core.write_through([s for batch in batches for s in batch]),
+        "test-write-through",
+    )
+    core = NodeStoreCore(
+        NODE, MemoryTier(KEYS * SHARD), disk, AdmitAllWriteThrough(), defer=queue.put
+    )
+    return core, queue
+
+
 def test_write_through_on_its_own_thread_leaves_no_dropped_shard_on_disk(tmp_path: Path) -> None:
     """Each store's write-through is queued to another thread (as the actor does) while
     the control thread demotes, promotes and drops the same shards: once it is drained,
     a shard whose last step was a drop is nowhere (a write-through that waited behind
     the drop wrote nothing), and every other one is on disk and verifies."""
     disk = DiskTier(tmp_path / "disk", KEYS * SHARD)
-    core: NodeStoreCore | None = None
-
-    def write(batches: list[list[ShardId]]) -> None:
-        assert core is not None
-        core.write_through([shard_id for batch in batches for shard_id in batch])
-
-    queue: BatchQueue[list[ShardId]] = BatchQueue(write, "test-write-through")
-    evictor = AdmitAllWriteThrough()
-    core = NodeStoreCore(NODE, MemoryTier(KEYS * SHARD), disk, evictor, defer=queue.put)
+    core, queue = _core_writing_through(disk)
     last: dict[int, str] = {}
     served: list[int] = []
     for seed in range(5):
@@ -208,16 +212,7 @@ def test_a_drop_during_a_write_through_leaves_nothing_on_disk(tmp_path: Path) ->
     waits for that one write and then removes it, so no file outlives the drop (the
     Evictor would never drop it again)."""
     disk = GatedDisk(tmp_path / "disk", KEYS * SHARD)
-    core: NodeStoreCore | None = None
-
-    def write(batches: list[list[ShardId]]) -> None:
-        assert core is not None
-        core.write_through([shard_id for batch in batches for shard_id in batch])
-
-    queue: BatchQueue[list[ShardId]] = BatchQueue(write, "test-write-through")
-    core = NodeStoreCore(
-        NODE, MemoryTier(KEYS * SHARD), disk, AdmitAllWriteThrough(), defer=queue.put
-    )
+    core, queue = _core_writing_through(disk)
     data = _bytes(1)
     core.store(NS, 0, 1, [ShardEntry(_key(1), 0, SHARD, digest(data), 1)], data)
     sid = ShardId(NS, _key(1), 0)
