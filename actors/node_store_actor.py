@@ -67,10 +67,10 @@ _RESTORE_TIMEOUT_S = 120.0
 # Pulling a job or replica buffer from its producer's object store: milliseconds on one
 # node, a transfer across nodes; a producer that died leaves the ref unresolvable.
 _BUFFER_TIMEOUT_S = 60.0
-# The arena's room beyond the CPU tier: extents granted to workers and not committed
-# yet, and extents pinned by loads after the Evictor dropped their shard.
 # A graceful stop writes what is queued for write-through up to this long.
 _WRITE_THROUGH_DRAIN_S = 10.0
+# The arena's room beyond the CPU tier: extents granted to workers and not committed
+# yet, and extents pinned by loads after the Evictor dropped their shard.
 _GRANT_ROOM_MIN = 256 << 20
 _GRANT_ROOM_SHARE = 8
 

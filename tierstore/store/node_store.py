@@ -14,11 +14,12 @@ thread; ``inventory``/``status`` on a third; a store's write-through on a thread
 own (``defer``), so the next store never waits behind the last one's disk writes. The
 tiers lock their own indexes (never across a payload read or write), the core locks its
 stats, and no lock is ever held across an Evictor or peer call, so a load never waits
-on either. Every disk change of a shard (write, demotion, promotion, drop) holds the
-core's disk lock, so a write-through and the Evictor's decisions never interleave on
-one shard: a shard dropped while its write-through waited is not written after. A load copies out of
-a shard array that is never written after it is stored: a concurrent drop only removes
-the tier's reference, and a dropped disk file fails the read cleanly.
+on either. Every change of a shard's disk copy (write-through, demotion, a store
+demoted on admission, drop) holds the core's disk lock, so a write-through and the
+Evictor's decisions never interleave on one shard: a shard dropped while its
+write-through waited is not written after. A load copies out of a shard array that is
+never written after it is stored: a concurrent drop only removes the tier's reference,
+and a dropped disk file fails the read cleanly.
 """
 
 from __future__ import annotations
