@@ -51,7 +51,7 @@ class ExtentPool:
         with self._lock:
             self._burst.update(need)  # a missed take counts: the next refill grows
             self._expect(self._burst)
-            if any(len(self._free.get(size, ())) < n for size, n in need.items()):
+            if self._lacks(need):
                 self.misses += 1
                 return None
             return [self._free[size].popleft() for size in sizes]
@@ -60,13 +60,20 @@ class ExtentPool:
         """Whether another job of these shard sizes would find the pool short."""
         need = Counter(sizes)
         with self._lock:
-            return any(len(self._free.get(size, ())) < n for size, n in need.items())
+            return self._lacks(need)
+
+    def _lacks(self, need: Counter[int]) -> bool:
+        """Lock held: whether fewer extents than ``need`` of some size are free."""
+        return any(len(self._free.get(size, ())) < n for size, n in need.items())
+
+    def _held(self) -> int:
+        """Lock held: bytes of the free extents."""
+        return sum(s * len(v) for s, v in self._free.items())
 
     def wanted(self) -> list[int]:
         """Sizes to ask the NodeStore for now (marked asked until :meth:`add`)."""
         with self._lock:
-            held = sum(s * len(v) for s, v in self._free.items())
-            held += sum(s * n for s, n in self._asked.items())
+            held = self._held() + sum(s * n for s, n in self._asked.items())
             out: list[int] = []
             for size, target in sorted(self._target.items()):
                 have = len(self._free.get(size, ())) + self._asked[size]
@@ -103,7 +110,7 @@ class ExtentPool:
             self._burst.clear()
             if epoch != self.epoch:
                 return [o for o in offsets if o is not None]
-            held = sum(s * len(v) for s, v in self._free.items())
+            held = self._held()
             extra: list[int] = []
             for size, offset in zip(sizes, offsets, strict=True):
                 if offset is None:
@@ -131,4 +138,4 @@ class ExtentPool:
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(s * len(v) for s, v in self._free.items())
+            return self._held()
