@@ -24,6 +24,7 @@ RAY_FREE = (
     "tierstore.config",
     "tierstore.errors",
     "tierstore.registry",
+    "tierstore.private_files",
 )
 ROOT = "tierstore.spec"
 
