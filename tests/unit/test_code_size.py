@@ -1,5 +1,10 @@
-"""No module over 400 lines and no function over 60 in the library (tierstore/, actors/,
-deploy/): the project's size rules, which ruff cannot check (it has no line-count rule).
+"""No function over 60 lines in the library (tierstore/, actors/, deploy/), and module
+length as a guideline: the project's size rules, which ruff cannot check.
+
+A module is split by concern and by who owns the state, never to meet a line count: a
+cohesive module of 600 lines beats five that reach into each other. So modules past
+``GUIDE_MODULE_LINES`` are only named (a warning, for a reviewer to read), and only one
+past ``MAX_MODULE_LINES`` fails: at that size it almost surely holds several concerns.
 
 A function is measured from its first decorator to its last line, docstring included;
 nested functions are measured on their own as well. Known offenders are allow-listed
@@ -10,13 +15,15 @@ shrinks.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("tierstore", "actors", "deploy")
-MAX_MODULE_LINES = 400
+GUIDE_MODULE_LINES = 600
+MAX_MODULE_LINES = 1000
 MAX_FUNCTION_LINES = 60
 
 # Path (relative to the repository root) -> why it is allowed for now. Remove an entry
@@ -58,7 +65,7 @@ def oversized() -> tuple[dict[str, int], dict[str, int]]:
         name = path.relative_to(ROOT).as_posix()
         source = path.read_text(encoding="utf-8")
         lines = len(source.splitlines())
-        if lines > MAX_MODULE_LINES:
+        if lines > GUIDE_MODULE_LINES:
             modules[name] = lines
         for func, length in function_lengths(source).items():
             if length > MAX_FUNCTION_LINES:
@@ -73,8 +80,14 @@ def test_the_library_is_found() -> None:
 
 def test_no_module_over_the_limit() -> None:
     modules, _ = oversized()
-    new = {n: lines for n, lines in modules.items() if n not in ALLOWED_LONG_MODULES}
-    assert not new, f"modules over {MAX_MODULE_LINES} lines (split them): {new}"
+    long = {n: lines for n, lines in modules.items() if n not in ALLOWED_LONG_MODULES}
+    if long:
+        warnings.warn(
+            f"modules over {GUIDE_MODULE_LINES} lines (is each one concern?): {long}",
+            stacklevel=1,
+        )
+    huge = {n: lines for n, lines in long.items() if lines > MAX_MODULE_LINES}
+    assert not huge, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {huge}"
 
 
 def test_no_function_over_the_limit() -> None:
