@@ -22,6 +22,7 @@ from tierstore.actors.calls import (
     send,
 )
 
+from tierstore.config import TierStoreConfig
 from tierstore.control.events import EventBatch
 from tierstore.control.index import LookupAnswer, NodeActions, ShardOffer
 from tierstore.data.arena.region import RegionInfo
@@ -32,6 +33,11 @@ from tierstore.store.node_store import ShardEntry
 # Default deadline of an answer: the Evictor answers in milliseconds; 30 s means it is
 # stuck or gone (the scheduler's lookups then count as misses).
 DEFAULT_TIMEOUT_S = 30.0
+
+
+def config_of(value: Any) -> TierStoreConfig:
+    """An actor's ``config`` answer (a dict: msgpack flattens the dataclass) rebuilt."""
+    return value if isinstance(value, TierStoreConfig) else TierStoreConfig(**value)
 
 
 class EvictorClient:
@@ -132,6 +138,10 @@ class EvictorClient:
 
     def status(self) -> Pending[dict[str, Any]]:
         return self._call("status")
+
+    def config(self) -> Pending[TierStoreConfig]:
+        """The config the actor runs with."""
+        return self._call("config", convert=config_of)
 
     def fail_next_reconcile_for_test(self) -> Pending[None]:
         return self._call("fail_next_reconcile_for_test")
@@ -251,6 +261,10 @@ class NodeStoreClient:
 
     def status(self) -> Pending[dict[str, Any]]:
         return self._call("status")
+
+    def config(self) -> Pending[TierStoreConfig]:
+        """The config the actor runs with."""
+        return self._call("config", convert=config_of)
 
     def disk_location_for_test(
         self, namespace: Namespace, key: ChunkKey, rank: int

@@ -256,6 +256,10 @@ class Evictor:
         """What the index believes ``node_id`` holds (tests compare it with the node)."""
         return self._index.shards_on(NodeId(node_id))
 
+    def config(self) -> dict[str, object]:
+        """The config this Evictor was started with (a later engine compares its own)."""
+        return self._cfg.to_dict()
+
     def status(self) -> dict[str, object]:
         return {
             "nodes": {

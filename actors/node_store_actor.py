@@ -191,6 +191,7 @@ class NodeStore:
         evictor = EvictorClient(ray.get_actor(evictor_name, namespace=cfg.namespace))
         self._evictor = evictor
         self._node_id = node_id
+        self._cfg = cfg
         self._cpu_bytes, self._disk_bytes = cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node
         self._id = ray.get_runtime_context().get_actor_id()
         self._register()
@@ -346,6 +347,10 @@ class NodeStore:
 
     def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()
+
+    def config(self) -> dict[str, object]:
+        """The config this NodeStore was started with (a later engine compares its own)."""
+        return self._cfg.to_dict()
 
     def status(self) -> dict[str, object]:
         return {
