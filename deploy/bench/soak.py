@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any
 
 from tierstore.deploy.bench.common import percentile
 from tierstore.deploy.bench.soak_load import Response, Workload
+from tierstore.deploy.ray_auth import token_auth
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +54,6 @@ SCHEDULE = (
     "fill_disk",
     "restart_server",
 )
-
-
-def token_auth() -> str:
-    """Ray token auth for this process and all it starts (the cluster, the server's
-    engine). Ray reads the mode when it starts a node or connects; set before either."""
-    os.environ["RAY_AUTH_MODE"] = "token"
-    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
-    if "ray" in sys.modules:  # e.g. imported by a caller: refresh Ray's cached config
-        from ray._private.authentication_test_utils import reset_auth_token_state
-
-        reset_auth_token_state()
-    return os.environ["RAY_AUTH_MODE"]
 
 
 @contextmanager
@@ -165,7 +151,7 @@ def ttfts(responses: list[Response]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    token_auth()
+    token_auth(force=True)  # a token the caller gave is kept
     for client_log in ("httpx", "httpx2"):  # a line per request otherwise
         logging.getLogger(client_log).setLevel(logging.WARNING)
     from tierstore.deploy.bench.soak_run import soak

@@ -34,7 +34,7 @@ class RayHead:
     gcs_port: int
     dashboard_url: str
     temp_dir: Path
-    env: dict[str, str]  # for `ray` commands against it (auth mode, the venv's `python`)
+    env: dict[str, str]  # for `ray` commands against it (its auth token, the venv's `python`)
 
 
 def _processes_of(temp_dir: Path) -> list[psutil.Process]:
@@ -73,7 +73,7 @@ def stop_head(temp_dir: Path) -> list[psutil.Process]:
 def ray_head() -> Iterator[RayHead]:
     temp_dir = Path(tempfile.mkdtemp(prefix="tsj-", dir="/tmp"))  # short: socket paths
     bin_dir = os.path.dirname(sys.executable)
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env = dict(os.environ)  # the session's Ray token auth (tests/conftest.py)
     env.pop(WORKER_NICENESS_ENV, None)  # the head starts as tierstore starts one:
     env = ray_start_env(env)  # its workers at niceness 0, not Ray's 15
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"  # the job's `python`
