@@ -24,6 +24,10 @@ from tierstore.deploy.passes import TIERSTORE_SPEC, kv_transfer_config
 from tierstore.config import TierStoreConfig
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Where the server listens unless a caller passes ``host``: this machine only. vLLM's own
+# default binds every interface, which serves the model (and, through the prompts it
+# answers, tierstore's KV) to the whole network; exposing it is a choice a caller makes.
+DEFAULT_HOST = "127.0.0.1"
 
 
 def kv_transfer_json(store_extra: dict[str, Any]) -> str:
@@ -46,10 +50,11 @@ def serve_command(
     model: str, store_extra: dict[str, Any], python: str = sys.executable, **options: Any
 ) -> list[str]:
     """argv of the server; ``options`` are its flags by Python name (``block_size=32``,
-    ``enforce_eager=True``; ``False`` gives ``--no-...``)."""
+    ``enforce_eager=True``; ``False`` gives ``--no-...``). It listens on
+    :data:`DEFAULT_HOST` unless ``host`` is given (``host="0.0.0.0"``: every interface)."""
     argv = [python, "-m", SERVER_MODULE, "--model", model]
     argv += ["--enable-prefix-caching", "--kv-transfer-config", kv_transfer_json(store_extra)]
-    for name, value in options.items():
+    for name, value in {"host": DEFAULT_HOST, **options}.items():
         argv += _flag(name, value)
     return argv
 

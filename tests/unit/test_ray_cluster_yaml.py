@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import shlex
+import stat
+import subprocess
 from pathlib import Path
 
 import click
@@ -68,3 +70,36 @@ def test_the_bootstraps_ray_start_unstarves_workers_unless_told_otherwise() -> N
 
     assert ray_start_env({"PATH": "/bin"}) == {"PATH": "/bin", "RAY_worker_niceness": "0"}
     assert ray_start_env({"RAY_worker_niceness": "5"})["RAY_worker_niceness"] == "5"
+
+
+def _before_ray_start(commands: list[str]) -> list[str]:
+    start = next(i for i, c in enumerate(commands) if "ray start" in c)
+    return commands[:start]
+
+
+@pytest.mark.parametrize("node", ["head", "worker"])
+def test_every_node_makes_its_token_copy_private_before_ray_start(
+    node: str, tmp_path: Path
+) -> None:
+    """rsync copies the token with its source's mode (Ray writes it 0644): the commands
+    each node runs before `ray start`, run here on such a copy, leave it 0600 in a 0700
+    ~/.ray."""
+    commands = _before_ray_start(_load()[f"{node}_start_ray_commands"])
+    own = [c for c in commands if "auth_token" in c]
+    assert own, f"{node}: nothing makes the token private before `ray start`"
+    ray_dir = tmp_path / ".ray"
+    ray_dir.mkdir(mode=0o755)
+    token = ray_dir / "auth_token"
+    token.write_text("secret")
+    token.chmod(0o644)
+    for command in own:
+        subprocess.run(["bash", "-c", command], env={"HOME": str(tmp_path)}, check=True)
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert stat.S_IMODE(ray_dir.stat().st_mode) == 0o700
+
+
+def test_the_dashboard_listens_on_loopback_only() -> None:
+    (start,) = [c for c in _load()["head_start_ray_commands"] if "ray start" in c]
+    hosts = [w.split("=", 1)[1] for w in shlex.split(start) if w.startswith("--dashboard-host")]
+    assert hosts == ["127.0.0.1"]
+    assert "0.0.0.0" not in CONFIG.read_text().split("cluster_name:", 1)[1]
