@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from math import inf
+from fractions import Fraction
 from typing import Any
 
 from tierstore.errors import ConfigError
@@ -50,27 +51,59 @@ _SIZE_UNITS: dict[str, int] = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# A size is ASCII digits, an optional decimal part and a unit, matched in full. Not \d:
+# Python's \d, int() and float() also take other scripts' digits (Arabic-Indic "12GiB" was 12 GiB).
+_SIZE_RE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", re.ASCII)
+# Matched in full (re.fullmatch): "$" would also accept a trailing newline.
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
+# The largest byte size of a tier: 1 EiB, beyond any node's memory or disk. Larger ones
+# only fail later, far from the key: sizing a file past 2**63 bytes overflows the OS call.
+MAX_BYTES = 1 << 60
+# The longest duration of any key (timeouts, leases, ages): a day. Each is a deadline or a
+# lease that people set in milliseconds to minutes; past about 9.2e9 s Python's and Ray's
+# waits overflow (threading.TIMEOUT_MAX), and a day-long lease already pins a chunk all day.
+MAX_DURATION_S = 86_400.0
+MAX_DURATION_MS = MAX_DURATION_S * 1000
 # Keys given as true/false (or "yes"/"no", "1"/"0", ... as strings).
 _BOOL_KEYS = ("disk_fsync", "hits_from_picture")
 
 
-def parse_bytes(key: str, value: object) -> int:
-    """Parse a byte size given as an int or a string such as ``"8GiB"`` or ``"512MB"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a byte size, got the boolean {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if match and match.group(2).lower() in _SIZE_UNITS:
-            size = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-            if size < inf:  # 400 digits are a float infinity, not a size
-                return int(size)
-    raise ConfigError(f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}")
+def parse_bytes(key: str, value: object, minimum: int = 0) -> int:
+    """Parse a byte size given as an int or a string such as ``"8GiB"`` or ``"512MB"``,
+    from ``minimum`` to :data:`MAX_BYTES`. A decimal with a unit is rounded down to whole
+    bytes ("1.1GiB"); without one it must be whole ("0.5" is refused, not read as 0).
+    Every error quotes ``value`` as the user wrote it."""
+    size: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, float) and value.is_integer():
+        size = int(value)
+    elif isinstance(value, str):
+        size = _parse_size_text(key, value)
+    if size is None:
+        raise ConfigError(
+            f"{key}: expected a byte size such as 1073741824 or '1GiB', got {value!r}"
+        )
+    if not minimum <= size <= MAX_BYTES:
+        parsed = "" if size == value else f" (= {size} bytes)"
+        raise ConfigError(
+            f"{key}: expected {minimum} to {MAX_BYTES} bytes (1 EiB), got {value!r}{parsed}"
+        )
+    return size
+
+
+def _parse_size_text(key: str, text: str) -> int | None:
+    """Whole bytes of ``text`` (exact: a Fraction, never a float), or None if it is no size."""
+    match = _SIZE_RE.fullmatch(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        return None
+    exact = Fraction(match.group(1)) * _SIZE_UNITS[unit]
+    if exact.denominator != 1 and _SIZE_UNITS[unit] == 1:
+        raise ConfigError(
+            f"{key}: a byte count is a whole number, got {text!r}; write e.g. '512KiB'"
+        )
+    return math.floor(exact)
 
 
 def parse_bool(key: str, value: object) -> bool:
@@ -161,7 +194,7 @@ class TierStoreConfig:
             )
         kwargs: dict[str, Any] = {k: extra_config[k] for k in own_keys if k in extra_config}
         kwargs["cpu_bytes_per_node"] = parse_bytes(
-            "cpu_bytes_per_node", kwargs["cpu_bytes_per_node"]
+            "cpu_bytes_per_node", kwargs["cpu_bytes_per_node"], minimum=1
         )
         if "disk_bytes_per_node" in kwargs:
             kwargs["disk_bytes_per_node"] = parse_bytes(
@@ -192,8 +225,7 @@ def _check_cpu_bytes(cfg: TierStoreConfig) -> None:
         raise ConfigError(
             f"cpu_bytes_per_node: expected an integer byte count, got {cfg.cpu_bytes_per_node!r}"
         )
-    if cfg.cpu_bytes_per_node <= 0:
-        raise ConfigError(f"cpu_bytes_per_node: must be positive, got {cfg.cpu_bytes_per_node!r}")
+    parse_bytes("cpu_bytes_per_node", cfg.cpu_bytes_per_node, minimum=1)
 
 
 def _check_bool(cfg: TierStoreConfig, key: str) -> None:
@@ -202,7 +234,7 @@ def _check_bool(cfg: TierStoreConfig, key: str) -> None:
 
 
 def _check_namespace(cfg: TierStoreConfig) -> None:
-    if not isinstance(cfg.namespace, str) or not _NAMESPACE_RE.match(cfg.namespace):
+    if not isinstance(cfg.namespace, str) or not _NAMESPACE_RE.fullmatch(cfg.namespace):
         raise ConfigError(
             f"namespace: expected 1-64 letters, digits, '_', '.' or '-', got {cfg.namespace!r}"
         )
@@ -210,25 +242,48 @@ def _check_namespace(cfg: TierStoreConfig) -> None:
 
 def _check_ray_address(cfg: TierStoreConfig) -> None:
     address = cfg.ray_address
-    if address is not None and (not isinstance(address, str) or not address.strip()):
+    if address is None:
+        return
+    # Printable ASCII without spaces: "ip:port", "auto", "ray://host:port", "[::1]:6379".
+    if not isinstance(address, str) or not address.isascii() or not address.isprintable():
+        raise ConfigError(f"ray_address: expected 'ip:port' or 'auto', got {address!r}")
+    if not address or any(c.isspace() for c in address):
         raise ConfigError(f"ray_address: expected 'ip:port' or 'auto', got {address!r}")
 
 
 def _check_disk(cfg: TierStoreConfig) -> None:
-    if not _is_int(cfg.disk_bytes_per_node) or cfg.disk_bytes_per_node < 0:
+    if not _is_int(cfg.disk_bytes_per_node):
         raise ConfigError(
             f"disk_bytes_per_node: expected a byte count >= 0, got {cfg.disk_bytes_per_node!r}"
         )
+    parse_bytes("disk_bytes_per_node", cfg.disk_bytes_per_node)
     if cfg.disk_bytes_per_node > 0 and not cfg.disk_path:
         raise ConfigError(
             "disk_path: required when disk_bytes_per_node > 0; set it to a directory on "
             "each node's local disk"
         )
-    if cfg.disk_path is not None and (
-        not isinstance(cfg.disk_path, str) or not cfg.disk_path.strip()
-    ):
-        raise ConfigError(f"disk_path: expected a directory path, got {cfg.disk_path!r}")
+    _check_disk_path(cfg.disk_path)
     _check_bool(cfg, "disk_fsync")
+
+
+def _check_disk_path(path: object) -> None:
+    """An absolute path of printable ASCII: every node's NodeStore opens it in its own
+    working directory and with its own HOME, where a relative or ``~`` path means
+    something else; a NUL fails only there, inside the actor."""
+    if path is None:
+        return
+    if not isinstance(path, str) or not path.strip():
+        raise ConfigError(f"disk_path: expected a directory path, got {path!r}")
+    if not path.isascii() or not path.isprintable():
+        raise ConfigError(
+            "disk_path: expected printable ASCII only (no NUL, control or non-ASCII "
+            f"characters), got {path!r}"
+        )
+    if not path.startswith("/"):
+        raise ConfigError(
+            f"disk_path: expected an absolute path (starting with '/'; '~' is not expanded), "
+            f"got {path!r}"
+        )
 
 
 def _check_policy(cfg: TierStoreConfig) -> None:
@@ -265,12 +320,17 @@ def _check_replication(cfg: TierStoreConfig) -> None:
 def _check_timeouts(cfg: TierStoreConfig) -> None:
     for key in ("lease_ttl_s", "transfer_timeout_s", "lookup_timeout_ms"):
         value = getattr(cfg, key)
-        if not _is_number(value) or not 0 < value < inf:  # NaN compares false too
-            unit = "milliseconds" if key.endswith("_ms") else "seconds"
-            raise ConfigError(f"{key}: expected a positive number of {unit}, got {value!r}")
+        unit, most = ("ms", MAX_DURATION_MS) if key.endswith("_ms") else ("s", MAX_DURATION_S)
+        if not _is_number(value) or not 0 < value <= most:  # NaN compares false too
+            raise ConfigError(
+                f"{key}: expected a positive number of {unit} up to {most:g} (a day), got {value!r}"
+            )
     age = cfg.presence_max_age_ms
-    if not _is_number(age) or not 0 <= age < inf:
-        raise ConfigError(f"presence_max_age_ms: expected milliseconds >= 0 (0 = off), got {age!r}")
+    if not _is_number(age) or not 0 <= age <= MAX_DURATION_MS:
+        raise ConfigError(
+            f"presence_max_age_ms: expected ms from 0 (off) to {MAX_DURATION_MS:g} (a day), "
+            f"got {age!r}"
+        )
     _check_bool(cfg, "hits_from_picture")
 
 
@@ -286,3 +346,52 @@ _CHECKS: tuple[Callable[[TierStoreConfig], None], ...] = (
     _check_replication,
     _check_timeouts,
 )
+
+
+# ---- one config per set of actors ---------------------------------------------------------
+# The keys that define tierstore's actors: the NodeStores' tiers and the Evictor's policy.
+# Actors are named and detached, started by the first engine or `tierstore up`; a later
+# config that names other values for these is refused (check_running_config), since no
+# actor would apply them. The namespace selects the actors, and the other keys are each
+# engine's own (its deadlines, its leases, its Ray address): they may differ freely.
+ACTOR_KEYS: tuple[str, ...] = (
+    "cpu_bytes_per_node",
+    "disk_path",
+    "disk_bytes_per_node",
+    "disk_fsync",
+    "eviction_policy",
+    "cpu_high_watermark",
+    "cpu_low_watermark",
+    "replicate_after_loads",
+)
+ENGINE_KEYS: tuple[str, ...] = (
+    "namespace",
+    "ray_address",
+    "lease_ttl_s",
+    "lookup_timeout_ms",
+    "presence_max_age_ms",
+    "hits_from_picture",
+    "transfer_timeout_s",
+)
+
+
+class ConfigMismatchError(ConfigError):
+    """Actors already run in this namespace with other values of :data:`ACTOR_KEYS`."""
+
+
+def check_running_config(mine: TierStoreConfig, running: TierStoreConfig, actor: str) -> None:
+    """Raise :class:`ConfigMismatchError` naming every key of :data:`ACTOR_KEYS` whose
+    value in ``mine`` differs from the one ``actor`` runs with, both values quoted."""
+    differing = [
+        f"{key}: running {getattr(running, key)!r}, this config {getattr(mine, key)!r}"
+        for key in ACTOR_KEYS
+        if getattr(mine, key) != getattr(running, key)
+    ]
+    if differing:
+        raise ConfigMismatchError(
+            f"{actor} in namespace {mine.namespace!r} already runs with another config ("
+            + "; ".join(differing)
+            + "). Give these keys the running values, or stop the actors with `tierstore "
+            f"down --namespace {mine.namespace}` first (their CPU tier is dropped), or use "
+            "another namespace"
+        )

@@ -59,6 +59,11 @@ def test_up_flags_build_the_same_validated_config_as_the_engine() -> None:
         (["--disk-bytes-per-node=1GiB"], "disk_path: required"),
         (["--eviction-policy=lfu"], "supported: arc, lru"),
         (["--disk-fsync=maybe"], "disk_fsync: expected true or false"),
+        # Other scripts' digits: str.isdigit(), int() and float() take them (was 12).
+        (["--replicate-after-loads=\u0661\u0662"], "replicate_after_loads: expected"),
+        (["--lease-ttl-s=\u0661\u0662"], "--lease-ttl-s: expected a number"),
+        (["--cpu-bytes-per-node=\u0661\u0662"], "cpu_bytes_per_node: expected a byte size"),
+        (["--lease-ttl-s=1e10"], "lease_ttl_s: expected a positive number of s up to 86400"),
     ],
 )
 def test_up_rejects_bad_values_by_name(flags: list[str], message: str) -> None:

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.config import TierStoreConfig, parse_bool, parse_bytes
+from tierstore.config import (
+    ACTOR_KEYS,
+    ENGINE_KEYS,
+    ConfigMismatchError,
+    TierStoreConfig,
+    check_running_config,
+    parse_bool,
+    parse_bytes,
+)
 from tierstore.errors import ConfigError
 
 BASE = {"spec_name": "TierStoreSpec", "spec_module_path": "tierstore.spec"}
@@ -134,3 +142,104 @@ def test_the_readme_documents_every_key() -> None:
     }
     missing = {f.name for f in dataclasses.fields(TierStoreConfig)} - rows
     assert not missing, f"README configuration table lacks {sorted(missing)}"
+
+
+# ---- values accepted once and failing later (issue 26) ---------------------------------------
+def _extra(**values: object) -> dict[str, object]:
+    return {**BASE, "cpu_bytes_per_node": 1, **values}
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("lease_ttl_s", 1e300),  # a lease that never ends
+        ("lease_ttl_s", 86_401),
+        ("transfer_timeout_s", 1e10),  # OverflowError in threading/Ray waits, later
+        ("lookup_timeout_ms", 86_400_001),
+        ("presence_max_age_ms", 1e10),
+        ("disk_path", "data/tierstore"),  # relative: each actor's working directory
+        ("disk_path", "~/tierstore"),  # each actor's HOME, not expanded
+        ("disk_path", "/data/ts\x00x"),  # fails only inside the NodeStore
+        ("disk_path", "/data/t\u00e4"),
+        ("disk_path", "/data/ts\n"),
+        ("cpu_bytes_per_node", "\u0661\u0662GiB"),  # Arabic-Indic 12: was 12 GiB
+        ("cpu_bytes_per_node", "\uff11\uff12GiB"),  # fullwidth 12
+        ("cpu_bytes_per_node", "0.5"),  # was "must be positive, got 0"
+        ("cpu_bytes_per_node", "0.0001KiB"),  # 0 whole bytes
+        ("cpu_bytes_per_node", 1 << 61),
+        ("disk_bytes_per_node", "\u0969GiB"),  # Devanagari 3
+        ("namespace", "tierstore\n"),  # re.match with "$" took it: two arenas, one file
+        ("namespace", "tier\u0661"),
+        ("ray_address", "10.0.0.1:6379\n"),
+        ("ray_address", "10.0.0.1:6379\x00"),
+    ],
+)
+def test_values_that_failed_later_fail_at_start_quoting_what_was_written(
+    key: str, value: object
+) -> None:
+    extra = _extra(**{key: value})
+    if key == "disk_bytes_per_node":
+        extra["disk_path"] = "/data/ts"
+    with pytest.raises(ConfigError) as error:
+        TierStoreConfig.from_extra_config(extra)
+    assert str(error.value).startswith(f"{key}:")
+    assert repr(value) in str(error.value)
+
+
+def test_bounds_themselves_are_accepted() -> None:
+    cfg = TierStoreConfig.from_extra_config(
+        _extra(
+            lease_ttl_s=86_400,
+            transfer_timeout_s=86_400.0,
+            lookup_timeout_ms=86_400_000,
+            presence_max_age_ms=0,
+            disk_path="/var/lib/tier store",
+            disk_bytes_per_node="1.5GiB",
+            namespace="a" * 64,
+        )
+    )
+    assert cfg.disk_bytes_per_node == 3 << 29
+    assert parse_bytes("k", " 12 GiB ") == 12 << 30
+    assert parse_bytes("k", "1.1GiB") == int(1.1 * (1 << 30))  # decimals with a unit: floor
+    assert parse_bytes("k", 1 << 60) == 1 << 60
+
+
+def test_a_size_below_one_byte_quotes_the_text_not_the_rounded_number() -> None:
+    with pytest.raises(ConfigError, match=r"cpu_bytes_per_node: a byte count is a whole.*'0\.5'"):
+        TierStoreConfig.from_extra_config(_extra(cpu_bytes_per_node="0.5"))
+    with pytest.raises(ConfigError, match=r"got '0KiB' \(= 0 bytes\)"):
+        TierStoreConfig.from_extra_config(_extra(cpu_bytes_per_node="0KiB"))
+
+
+# ---- one config per set of actors -----------------------------------------------------------
+def test_every_key_either_defines_the_actors_or_belongs_to_one_engine() -> None:
+    fields = [f.name for f in dataclasses.fields(TierStoreConfig)]
+    assert sorted(ACTOR_KEYS + ENGINE_KEYS) == sorted(fields)
+    assert not set(ACTOR_KEYS) & set(ENGINE_KEYS)
+
+
+def test_a_running_config_that_differs_is_refused_naming_each_key_and_both_values() -> None:
+    running = TierStoreConfig(
+        cpu_bytes_per_node=8 << 30, disk_path="/data/ts", disk_bytes_per_node=1 << 40
+    )
+    mine = dataclasses.replace(
+        running, cpu_bytes_per_node=4 << 30, eviction_policy="arc", lease_ttl_s=5.0
+    )
+    with pytest.raises(ConfigMismatchError) as error:
+        check_running_config(mine, running, "the Evictor")
+    message = str(error.value)
+    assert "cpu_bytes_per_node: running 8589934592, this config 4294967296" in message
+    assert "eviction_policy: running 'lru', this config 'arc'" in message
+    assert "lease_ttl_s" not in message  # each engine's own
+    assert "tierstore down --namespace tierstore" in message
+    # Keys of the engine alone may differ freely.
+    engine_only = dataclasses.replace(
+        running,
+        lease_ttl_s=5.0,
+        lookup_timeout_ms=1.0,
+        presence_max_age_ms=0.0,
+        hits_from_picture=False,
+        transfer_timeout_s=3.0,
+        ray_address="10.0.0.1:6379",
+    )
+    check_running_config(engine_only, running, "the Evictor")

@@ -26,12 +26,17 @@ _anything = st.recursive(
 )
 _not_number = _anything.filter(lambda v: isinstance(v, bool) or not isinstance(v, int | float))
 _non_finite = st.sampled_from([math.nan, math.inf, -math.inf])
+_unicode_digits = st.characters(categories=["Nd"]).filter(lambda c: not c.isascii())
 _bad_size = (
     _anything.filter(lambda v: isinstance(v, bool | list | dict) or v is None)
     | st.integers(max_value=-1)
     | st.floats().filter(lambda v: not v.is_integer())
     | st.text(max_size=12).filter(lambda s: not s.strip()[:1].isdigit())
     | st.sampled_from(["1" * 400, "1" * 400 + "GiB", "-1GiB", "1 parsec", "1e9", "0x10"])
+    | st.sampled_from(["0.5", "1.5", "0.5B", str(1 << 61), "2EiB"])  # fractions, too large
+    | st.integers(min_value=(1 << 60) + 1)
+    # Other scripts' digits, which Python's \d, int() and float() take: never a size.
+    | st.text(alphabet=_unicode_digits, min_size=1, max_size=4).map(lambda d: d + "GiB")
 )
 _not_bool = _anything.filter(
     lambda v: (
@@ -42,7 +47,22 @@ _not_bool = _anything.filter(
         )
     )
 )
-_bad_seconds = _not_number | st.floats(max_value=0) | st.integers(max_value=0) | _non_finite
+_bad_seconds = (
+    _not_number
+    | st.floats(max_value=0)
+    | st.integers(max_value=0)
+    | _non_finite
+    | st.floats(min_value=86_400, exclude_min=True)  # past a day (1e10 s overflowed later)
+    | st.integers(min_value=86_401)
+)
+_bad_milliseconds = (
+    _not_number
+    | st.floats(max_value=0)
+    | st.integers(max_value=0)
+    | _non_finite
+    | st.floats(min_value=86_400_000, exclude_min=True)
+    | st.integers(min_value=86_400_001)
+)
 _bad_fraction = (
     _not_number
     | st.floats(max_value=0)
@@ -62,16 +82,27 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     | st.text(min_size=1, max_size=10).filter(
         lambda s: not all(c.isalnum() or c in "_.-" for c in s)
     )
-    | st.just("naïve"),
-    "ray_address": _not_str.filter(lambda v: v is not None) | st.sampled_from(["", "  "]),
+    | st.just("naïve")
+    | st.from_regex(r"[a-z]{1,8}", fullmatch=True).map(lambda s: s + "\n")  # "$" took it
+    | st.text(alphabet=_unicode_digits, min_size=1, max_size=4),
+    "ray_address": _not_str.filter(lambda v: v is not None)
+    | st.sampled_from(["", "  ", "10.0.0.1:6379\n", "host:1\x00", "a b:1"]),
     "lease_ttl_s": _bad_seconds,
     "transfer_timeout_s": _bad_seconds,
-    "lookup_timeout_ms": _bad_seconds,
+    "lookup_timeout_ms": _bad_milliseconds,
     "presence_max_age_ms": _not_number
     | st.floats(max_value=0, exclude_max=True)
     | st.integers(max_value=-1)
-    | _non_finite,
-    "disk_path": _not_str.filter(lambda v: v is not None) | st.sampled_from(["", " \t"]),
+    | _non_finite
+    | st.floats(min_value=86_400_000, exclude_min=True),
+    "disk_path": _not_str.filter(lambda v: v is not None)
+    | st.sampled_from(["", " \t", "~/ts", "./ts", "/data/ts\x00"])
+    | st.text(max_size=12).filter(lambda s: not s.startswith("/"))  # relative
+    | st.text(min_size=1, max_size=12)
+    .map(lambda s: "/" + s)
+    .filter(
+        lambda s: not (s.isascii() and s.isprintable())  # NUL, control, non-ASCII
+    ),
     "disk_fsync": _not_bool,
     "hits_from_picture": _not_bool,
     "eviction_policy": _anything.filter(lambda v: v not in ("lru", "arc")),
@@ -93,6 +124,8 @@ def test_a_bad_value_fails_with_its_key_named(data: st.DataObject, key: str) -> 
     with pytest.raises(ConfigError) as error:
         TierStoreConfig.from_extra_config({**BASE, key: value})
     assert key in str(error.value)
+    # What the user wrote, quoted as written (not a parsed or rounded value).
+    assert repr(value) in str(error.value)
 
 
 _known = {f.name for f in dataclasses.fields(TierStoreConfig)} | VLLM_OWNED_KEYS
