@@ -16,7 +16,7 @@ def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandl
     """Start (or find) the NodeStore of ``node_id``; returns at once, never waits on it.
     Its concurrency groups are given here: Ray takes them only in ``ray.remote``."""
     return (
-        ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeStore)
+        ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeStore)  # type: ignore[call-overload]
         .options(
             name=node_store_name(node_id),
             namespace=cfg.namespace,

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes
@@ -15,7 +15,7 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def _plain_numbers(axis) -> None:  # type: ignore[no-untyped-def]
+def _plain_numbers(axis) -> None:
     """Log axes tick at 1, 2, 5 x 10^k and label them as 200, not 2x10^2."""
     from matplotlib.ticker import FuncFormatter, LogLocator
 
@@ -24,7 +24,7 @@ def _plain_numbers(axis) -> None:  # type: ignore[no-untyped-def]
     axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
-def _save(plt, fig, ax, path: Path, **legend: object) -> Path:  # type: ignore[no-untyped-def]
+def _save(plt, fig, ax, path: Path, **legend: object) -> Path:
     ax.legend(fontsize=8, **legend)
     fig.tight_layout()
     fig.savefig(path)

@@ -27,7 +27,10 @@ from tierstore.control.policies import POLICIES
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
 
 if TYPE_CHECKING:  # the heaps' module builds on this one
+    from collections.abc import Callable
+
     from tierstore.control.index_candidates import CandidateQueue
+    from tierstore.control.index_model import Actions
 
 
 class IndexState:
@@ -56,6 +59,35 @@ class IndexState:
         self._tie = count()
         self._dying: set[UnitId] = set()  # units forget_node is dropping right now
         self.stats = IndexStats()
+
+    if TYPE_CHECKING:
+        # What each part calls of another, declared once here for the type checker (each
+        # is defined in the part named; ChunkIndex mixes them all in).
+        def _push(self, uid: UnitId, node: NodeId, tier: TierName) -> None: ...  # candidates
+        def _queue_tier(self, uid: UnitId, unit: Unit, tier: TierName) -> None: ...
+        def _queue_everywhere(self, uid: UnitId) -> None: ...
+        def _walk(
+            self,
+            node: NodeId,
+            tier: TierName,
+            protected: set[UnitId],
+            now: float,
+            done: Callable[[], bool],
+            free_one: Callable[[UnitId], bool],
+        ) -> bool: ...
+        def _is_leased(self, cid: ChunkId, now: float) -> bool: ...  # leases
+        def _pinned(self, uid: UnitId, unit: Unit, now: float) -> bool: ...
+        def _park(self, uid: UnitId, unit: Unit) -> None: ...
+        def _wake(self, now: float) -> None: ...
+        def _gain(self, uid: UnitId, unit: Unit, shard: Shard, tier: TierName) -> None: ...  # tree
+        def _lose(self, uid: UnitId, unit: Unit, shard: Shard, tier: TierName) -> None: ...
+        def _drop_unit(self, uid: UnitId, actions: Actions) -> None: ...
+        def _drop_replica(  # replicas
+            self, cid: ChunkId, chunk: Chunk, node: NodeId, actions: Actions
+        ) -> None: ...
+        def _evict_replicas(
+            self, node: NodeId, done: Callable[[], bool], now: float, actions: Actions
+        ) -> bool: ...
 
     def _shard(self, namespace: Namespace, key: ChunkKey, rank: int) -> Shard | None:
         chunk = self._chunks.get(ChunkId(namespace, key))

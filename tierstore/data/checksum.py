@@ -45,7 +45,7 @@ def _load_native() -> Callable[[int, int], int] | None:
     if native(probe.ctypes.data, probe.nbytes) != xxhash.xxh3_64_intdigest(probe):
         logger.warning("the exported XXH3_64bits disagrees with xxhash; not used")
         return None
-    return native  # type: ignore[no-any-return]
+    return native
 
 
 _native = _load_native()

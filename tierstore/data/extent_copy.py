@@ -49,7 +49,7 @@ def runs_of(chunks: Sequence[ChunkPlacement], arena_offsets: Sequence[int]) -> l
     return runs
 
 
-def _views(plan: CopyPlan, arena: np.ndarray, runs: Sequence[Run]):  # type: ignore[no-untyped-def]
+def _views(plan: CopyPlan, arena: np.ndarray, runs: Sequence[Run]):
     if sum(r.job_hi - r.job_lo for r in runs) != plan.nbytes:
         raise ValueError(
             f"extents cover {sum(r.job_hi - r.job_lo for r in runs)} of {plan.nbytes} bytes"

@@ -109,8 +109,8 @@ class _Native:
         self._fn = lib.ts_walk
         self._fn.restype = ctypes.c_int64
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, p, p, i64, p, i64, p, p, i64] + [ctypes.c_int] * 3
-        self._fn.argtypes += [p] * 4
+        int_ = ctypes.c_int
+        self._fn.argtypes = [p, p, p, i64, p, i64, p, p, i64, int_, int_, int_, p, p, p, p]
         update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
         self._hash_fns = [
             ctypes.cast(f, ctypes.c_void_p).value

@@ -165,13 +165,13 @@ class ChunkLayout:
     def _slot_rows(self, buffer: torch.Tensor, span: _GroupSpan, unit: int) -> torch.Tensor:
         layout = self.groups[span.group_pos]
         region = buffer[span.offset : span.offset + span.n_chunks * layout.chunk_bytes]
-        if unit != 1:
+        if self._word is not None and unit != 1:
             region = region.view(self._word)
         return region.view(span.n_chunks * self.blocks_per_chunk, layout.slot_bytes // unit)
 
     def _pages(self, ref: PageRef, unit: int) -> torch.Tensor:
         tensor = self.tensors[ref.tensor_idx]
-        if unit != 1:
+        if self._word is not None and unit != 1:
             tensor = tensor.view(self._word)
         return tensor[:, : ref.page_bytes // unit]
 

@@ -22,7 +22,7 @@ from tierstore.store.ports import EvictorPort, PeerPort
 logger = logging.getLogger(__name__)
 
 
-def shard_id_of(value: ShardId | tuple) -> ShardId:  # type: ignore[type-arg]
+def shard_id_of(value: ShardId | tuple) -> ShardId:
     """Ray hands NamedTuples back as tuples when nested; restore the type."""
     namespace, key, rank = value
     return ShardId(Namespace(namespace), ChunkKey(key), int(rank))

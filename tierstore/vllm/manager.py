@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, cast
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
@@ -119,12 +119,13 @@ class TierStoreManager(OffloadingManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        chunk = cast(ChunkKey, key)  # vLLM's key is tierstore's chunk key
         with self._lock:
             # The hot path: vLLM asks again for every waiting key each step.
             state = self._requests.get(req_context.req_id) or self._state(req_context)
             if state.load_failed:
                 return LookupResult.MISS
-            answer = state.answers.get(key)
+            answer = state.answers.get(chunk)
             if answer is not None:
                 if answer.expires_at > time.monotonic():
                     tier_filter = req_context.load_tier_filter
@@ -135,24 +136,24 @@ class TierStoreManager(OffloadingManager):
                     ):
                         return LookupResult.MISS  # held where this request may not load from
                     return _RESULTS[answer.state]
-                state.expire(key)
+                state.expire(chunk)
             now = time.monotonic()
-            asked_at = state.pending.get(key)
+            asked_at = state.pending.get(chunk)
             if asked_at is None:
-                if self._view.absent(key, now) and not self._known_stored.committing(key, now):
+                if self._view.absent(chunk, now) and not self._known_stored.committing(chunk, now):
                     self._metrics.count(metrics.LOOKUP_MISSES)  # held nowhere: no ask
                     return LookupResult.MISS
-                state.ask(key, req_context, now)
-                if self._hit_from_picture(state, key, req_context, now):
+                state.ask(chunk, req_context, now)
+                if self._hit_from_picture(state, chunk, req_context, now):
                     return LookupResult.HIT
             elif now - asked_at > self._lookup_timeout_s:
                 # Computed as a miss; the late answer's lease is given back when it lands.
-                state.give_up(key, now)
+                state.give_up(chunk, now)
                 self._metrics.count(metrics.LOOKUP_TIMEOUTS)
-                logger.debug("lookup of %s timed out; computed as a miss", key.hex())
+                logger.debug("lookup of %s timed out; computed as a miss", chunk.hex())
                 return LookupResult.MISS
-            elif key not in state.in_flight:  # answered PENDING: ask again
-                state.send_later(key, now)
+            elif chunk not in state.in_flight:  # answered PENDING: ask again
+                state.send_later(chunk, now)
             return LookupResult.RETRY
 
     def answer_hits_from_picture(self, world_size: int) -> None:
@@ -259,7 +260,7 @@ class TierStoreManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadSpec:
         with self._lock:
             state = self._state(req_context)
-            ordered = list(keys)
+            ordered = _chunk_keys(keys)
             where = []
             for key in ordered:
                 answer = state.answers.get(key)
@@ -284,13 +285,14 @@ class TierStoreManager(OffloadingManager):
             state = self._requests.get(req_context.req_id)
             holder = state.holder if state else f"{self._id}/{req_context.req_id}"
             loaded = 0 if state is not None and state.load_failed else len(keys)
+            chunk_keys = _chunk_keys(keys)
             self._channel.release(
-                self._namespace, list(keys), holder, loaded=loaded, node=self._local_node
+                self._namespace, chunk_keys, holder, loaded=loaded, node=self._local_node
             )
-            self._observe_job(metrics.LOAD_LATENCY, keys)
+            self._observe_job(metrics.LOAD_LATENCY, chunk_keys)
             if state is not None:
-                state.loading.difference_update(keys)
-                state.leased.difference_update(keys)
+                state.loading.difference_update(chunk_keys)
+                state.leased.difference_update(chunk_keys)
                 self._maybe_forget(req_context.req_id, state)
 
     def on_load_failed(self, req_id: str) -> None:
@@ -330,9 +332,12 @@ class TierStoreManager(OffloadingManager):
     ) -> PrepareStoreOutput:
         with self._lock:
             state = self._state(req_context)
-            for key in keys:
+            chunk_keys = _chunk_keys(keys)
+            for key in chunk_keys:
                 state.remember_position(key, req_context)
-            fresh = [k for k in keys if k not in self._known_stored and k not in self._storing]
+            fresh = [
+                k for k in chunk_keys if k not in self._known_stored and k not in self._storing
+            ]
             self._storing.update(fresh)
             if fresh:
                 self._job_started[frozenset(fresh)] = time.monotonic()
@@ -340,7 +345,7 @@ class TierStoreManager(OffloadingManager):
                 state.parent(k, req_context, self._tokens_per_chunk.get(group_of(k))) for k in fresh
             )
             return PrepareStoreOutput(
-                keys_to_store=fresh,
+                keys_to_store=cast("list[OffloadKey]", fresh),
                 store_spec=StoreSpec(self._namespace, tuple(fresh), parents),
                 evicted_keys=[],
             )
@@ -350,14 +355,15 @@ class TierStoreManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
         with self._lock:
-            self._storing.difference_update(keys)
-            self._observe_job(metrics.STORE_LATENCY, keys)
+            chunk_keys = _chunk_keys(keys)
+            self._storing.difference_update(chunk_keys)
+            self._observe_job(metrics.STORE_LATENCY, chunk_keys)
             if not success:  # vLLM 0.32/0.33 never say so: the worker reports failures
                 return
-            self._metrics.count(metrics.STORED_CHUNKS, len(keys))
-            self._known_stored.add(list(keys), time.monotonic())
+            self._metrics.count(metrics.STORED_CHUNKS, len(chunk_keys))
+            self._known_stored.add(chunk_keys, time.monotonic())
 
-    def _observe_job(self, histogram: str, keys: Collection[OffloadKey]) -> None:
+    def _observe_job(self, histogram: str, keys: Collection[ChunkKey]) -> None:
         started = self._job_started.pop(frozenset(keys), None)
         if started is not None:
             self._metrics.observe(histogram, time.monotonic() - started)
@@ -398,3 +404,8 @@ class TierStoreManager(OffloadingManager):
             self._channel.release_holder(holder)
         self._channel.close()
         self._view.close()
+
+
+def _chunk_keys(keys: Collection[OffloadKey]) -> list[ChunkKey]:
+    """vLLM's keys as tierstore's chunk keys (the same bytes; a list, in vLLM's order)."""
+    return cast("list[ChunkKey]", list(keys))

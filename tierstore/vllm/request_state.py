@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.v1.kv_offload.base import ReqContext
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
 from tierstore.control.index import LookupState
 from tierstore.keys import ChunkKey, NodeId, TierName, group_of
@@ -50,7 +50,7 @@ class RequestState:
 
     # ---- chains --------------------------------------------------------------------------
     def remember_position(self, key: ChunkKey, ctx: ReqContext) -> None:
-        end = ctx.get_offload_key_position(key)
+        end = ctx.get_offload_key_position(OffloadKey(key))
         if end is not None:
             self.positions[(group_of(key), end)] = key
 
@@ -58,7 +58,7 @@ class RequestState:
         self, key: ChunkKey, ctx: ReqContext, tokens_per_chunk: int | None
     ) -> ChunkKey | None:
         """The previous chunk of ``key``'s group in this request's prefix, if known."""
-        end = ctx.get_offload_key_position(key)
+        end = ctx.get_offload_key_position(OffloadKey(key))
         if end is None or not tokens_per_chunk:
             return None
         return self.positions.get((group_of(key), end - tokens_per_chunk))

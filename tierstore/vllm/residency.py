@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
 from tierstore.control.events import ResidencyEvent
 from tierstore.keys import NodeId, TierName
@@ -25,7 +25,7 @@ def offloading_events(
     """The Evictor's residency changes as vLLM's KV-cache events."""
     return [
         OffloadingEvent(
-            keys=list(event.keys),
+            keys=[OffloadKey(key) for key in event.keys],
             medium=MEDIUMS[TierName(event.tier)],
             removed=event.removed,
             locality=locality((event.node,), local_node),

@@ -3,7 +3,7 @@
 from tierstore.control.policies.base import EvictionPolicy
 from tierstore.registry import Registry
 
-POLICIES: Registry[EvictionPolicy] = Registry("eviction policy", EvictionPolicy)
+POLICIES: Registry[EvictionPolicy] = Registry("eviction policy", EvictionPolicy)  # type: ignore[type-abstract]
 
 # Built-ins, registered last so the registry exists first.
 POLICIES.register("lru", "tierstore.control.policies.lru", "LRUPolicy")
