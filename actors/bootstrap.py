@@ -7,7 +7,6 @@ Their owner is ``tierstore down`` (:func:`shutdown_actors`).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import shutil
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from tierstore.actors.calls import Pending
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.evictor import Evictor
 from tierstore.actors.placement import (
     EVICTOR_NAME,
@@ -29,17 +30,24 @@ from tierstore.actors.placement import (
     place_node_store,
 )
 
-from tierstore.config import TierStoreConfig
+from tierstore.config import TierStoreConfig, check_running_config
 from tierstore.errors import ClusterUnavailableError
+from tierstore.private_files import LockTimeoutError, locked_file, user_dir
 
 logger = logging.getLogger(__name__)
 
-_START_LOCK = Path(tempfile.gettempdir()) / "tierstore-ray-start.lock"
+# The lock that keeps this user's engines on this machine from starting two Ray clusters
+# at once: in this user's 0700 directory of the temporary folder (start_lock_path).
+_START_LOCK_NAME = "ray-start.lock"
+# Its holder runs `ray start --head` (up to _RAY_START_TIMEOUT_S) and joins the cluster;
+# one held longer than this is stuck, or another process's: fail naming the file.
+_RAY_START_TIMEOUT_S = 120.0
+_START_LOCK_TIMEOUT_S = _RAY_START_TIMEOUT_S + 60.0
 _GRACE_S = 5.0  # given to an actor's __ray_terminate__ before it is killed
 _PROBE_TIMEOUT_S = 5.0  # a GCS that does not accept a TCP connection by then is not there
 # Starting every actor: a process per actor, and a NodeStore re-indexes its disk tier
 # first; minutes on a loaded machine, never forever.
-_START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
 
 
 def connect(cfg: TierStoreConfig) -> None:
@@ -47,22 +55,36 @@ def connect(cfg: TierStoreConfig) -> None:
 
     When no address is configured and no local cluster runs, start one with
     ``ray start --head`` (not in-process), so it outlives this engine and the next engine
-    finds what this one stored. A file lock keeps concurrent workers from starting two.
+    finds what this one stored. A file lock keeps concurrent workers from starting two;
+    blocks up to ``_START_LOCK_TIMEOUT_S`` for it, then raises
+    :class:`~tierstore.private_files.LockTimeoutError` naming the file.
     """
     if ray.is_initialized():
         return
     if cfg.ray_address is not None:
         _init(cfg.ray_address, cfg)
         return
-    with open(_START_LOCK, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
+    lock_path = start_lock_path()
+    try:
+        with locked_file(lock_path, _START_LOCK_TIMEOUT_S):
+            try:
+                _init("auto", cfg)
+                return
+            except ConnectionError:
+                logger.info("no Ray cluster is running here; starting one with `ray start --head`")
+            _start_local_head()
             _init("auto", cfg)
-            return
-        except ConnectionError:
-            logger.info("no Ray cluster is running here; starting one with `ray start --head`")
-        _start_local_head()
-        _init("auto", cfg)
+    except LockTimeoutError as exc:
+        raise LockTimeoutError(
+            f"cannot start a local Ray cluster: {exc}; or set ray_address (RAY_ADDRESS) to "
+            "join a running cluster"
+        ) from exc
+
+
+def start_lock_path() -> Path:
+    """The start lock: in this user's private directory of the temporary folder (made
+    0700 on first use), so no other user can plant, hold or link it."""
+    return user_dir(Path(tempfile.gettempdir())) / _START_LOCK_NAME
 
 
 def check_reachable(address: str, timeout_s: float = _PROBE_TIMEOUT_S) -> None:
@@ -120,7 +142,7 @@ def _start_local_head() -> None:
         [ray_cli, "start", "--head", "--disable-usage-stats"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=_RAY_START_TIMEOUT_S,
         env=ray_start_env(os.environ),
     )
     if result.returncode != 0:
@@ -132,9 +154,12 @@ def _start_local_head() -> None:
 def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
     """Created next to its first caller (`tierstore up` runs on the head node, which
     lives as long as the cluster); soft, so a restart after that node's loss goes
-    elsewhere."""
+    elsewhere. Blocks until it answers which config it runs with (up to
+    ``START_TIMEOUT_S``): one started earlier with other values of
+    :data:`~tierstore.config.ACTOR_KEYS` raises
+    :class:`~tierstore.config.ConfigMismatchError` naming them."""
     here = ray.get_runtime_context().get_node_id()
-    return (
+    handle = (
         ray.remote(Evictor)
         .options(
             name=EVICTOR_NAME,
@@ -148,12 +173,17 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
         )
         .remote(cfg)
     )
+    running = EvictorClient(handle, START_TIMEOUT_S).config().result()
+    check_running_config(cfg, running, "the Evictor")
+    return handle
 
 
 def get_or_create_node_store(
     cfg: TierStoreConfig, node_id: str | None = None
 ) -> ray.actor.ActorHandle:
-    """The NodeStore of ``node_id`` (default: this process's node), pinned to it."""
+    """The NodeStore of ``node_id`` (default: this process's node), pinned to it; after
+    the Evictor's config is checked (:func:`get_or_create_evictor`), so a config that
+    differs starts nothing. Returns without waiting on the NodeStore."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
     get_or_create_evictor(cfg)
     return place_node_store(cfg, node_id)
@@ -166,17 +196,35 @@ def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
         raise ClusterUnavailableError(f"no NodeStore on node {node_id}") from exc
 
 
-def start_actors(cfg: TierStoreConfig) -> list[ray.ObjectRef]:
-    """Start (or find) the Evictor and one NodeStore on every alive node; returns one
-    ``status`` call per actor, ready once that actor is up (a caller may show progress)."""
-    evictor = get_or_create_evictor(cfg)
-    handles = [get_or_create_node_store(cfg, node_id) for node_id in alive_node_ids()]
-    return [evictor.status.remote(), *[h.status.remote() for h in handles]]
+def start_actors(cfg: TierStoreConfig) -> list[Pending[TierStoreConfig]]:
+    """Start (or find) the Evictor and one NodeStore on every alive node. Blocks until
+    the Evictor answers (a config that differs from its raises there, before any
+    NodeStore starts); returns one ``config`` call per actor, each answered once that
+    actor is up, with ``START_TIMEOUT_S`` as its deadline (a caller may show progress,
+    and checks each with :func:`check_started`)."""
+    evictor = EvictorClient(get_or_create_evictor(cfg), START_TIMEOUT_S)
+    stores = [
+        NodeStoreClient(place_node_store(cfg, node_id), node_id, START_TIMEOUT_S)
+        for node_id in sorted(alive_node_ids())
+    ]
+    return [evictor.config(), *[store.config() for store in stores]]
+
+
+def check_started(
+    cfg: TierStoreConfig, started: Pending[TierStoreConfig], timeout_s: float
+) -> None:
+    """Wait up to ``timeout_s`` for one of :func:`start_actors`' calls; raise if that
+    actor failed to start, or runs with other values of the actor keys than ``cfg``."""
+    actor = started.what.replace(".config", "", 1)  # "NodeStore on node ..."
+    check_running_config(cfg, started.result(timeout_s), actor)
 
 
 def ensure_actors(cfg: TierStoreConfig) -> None:
-    """Evictor plus one NodeStore on every alive node; returns once all answer."""
-    ray.get(start_actors(cfg), timeout=_START_TIMEOUT_S)
+    """Evictor plus one NodeStore on every alive node; returns once all answer, within
+    ``START_TIMEOUT_S`` in all."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for started in start_actors(cfg):
+        check_started(cfg, started, max(0.0, deadline - time.monotonic()))
 
 
 def shutdown_actors(namespace: str) -> int:

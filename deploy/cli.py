@@ -8,14 +8,18 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 from tierstore.deploy.bench.__main__ import add_arguments as add_bench_arguments
 from tierstore.deploy.bench.__main__ import run_benchmark
 from tierstore.deploy.quiet import add_log_arguments
 
 from tierstore.config import DEFAULT_NAMESPACE, TierStoreConfig
-from tierstore.errors import ConfigError, TierStoreError
+from tierstore.errors import ConfigError, RemoteCallTimeout, TierStoreError
+
+if TYPE_CHECKING:
+    from tierstore.actors.calls import Pending
 
 logger = logging.getLogger("tierstore.cli")
 
@@ -162,10 +166,12 @@ def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
         value = getattr(args, field.name, None)
         if field.name in _CLUSTER_KEYS or value is None:
             continue
-        if field.type in ("int", int) and value.isdigit():
+        if field.type in ("int", int) and value.isascii() and value.isdigit():
             value = int(value)  # other forms ("8GiB") are parsed by the config
         elif field.type in ("float", float):
             try:
+                if not value.isascii():  # float() takes other scripts' digits too
+                    raise ValueError(value)
                 value = float(value)
             except ValueError:
                 raise ConfigError(
@@ -175,24 +181,41 @@ def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
     return TierStoreConfig.from_extra_config(given)
 
 
-def _wait_with_progress(refs: list[Any], what: str) -> None:
+def _wait_with_progress(
+    cfg: TierStoreConfig, started: list[Pending[TierStoreConfig]], what: str, timeout_s: float
+) -> None:
+    """Wait for :func:`~tierstore.actors.bootstrap.start_actors`' calls, all within
+    ``timeout_s``, with a progress bar on a terminal. Raises an actor's start-up error,
+    its :class:`~tierstore.config.ConfigMismatchError`, or, past the deadline,
+    :class:`~tierstore.errors.RemoteCallTimeout` naming the actors that never answered."""
     import ray
+    from tierstore.actors.bootstrap import check_started
     from tqdm import tqdm
 
-    with tqdm(total=len(refs), desc=what, unit="actor", disable=not sys.stderr.isatty()) as bar:
-        pending = refs
+    by_ref = {call.ref: call for call in started}
+    deadline = time.monotonic() + timeout_s
+    with tqdm(total=len(started), desc=what, unit="actor", disable=not sys.stderr.isatty()) as bar:
+        pending = list(by_ref)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)  # raise an actor's start-up error here
+            left = deadline - time.monotonic()
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left))
+            if not done:
+                late = ", ".join(by_ref[ref].what for ref in pending)
+                raise RemoteCallTimeout(
+                    f"{what}: no answer within {timeout_s:g} s from {late}; see "
+                    "`ray status` and the actors' logs (Ray dashboard or `ray logs`)"
+                )
+            for ref in done:
+                check_started(cfg, by_ref[ref], timeout_s=0.0)  # answered: never waits
             bar.update(len(done))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from tierstore.actors.bootstrap import start_actors
+    from tierstore.actors.bootstrap import START_TIMEOUT_S, start_actors
 
     cfg = _config_from_flags(args)
     _connect(args.address, cfg.namespace)
-    _wait_with_progress(start_actors(cfg), "starting tierstore actors")
+    _wait_with_progress(cfg, start_actors(cfg), "starting tierstore actors", START_TIMEOUT_S)
     print(format_status(collect_status(cfg.namespace)))
     return 0
 

@@ -48,6 +48,15 @@ def test_up_status_down_on_a_running_cluster(ray_head: RayHead) -> None:
 
     again = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=64MiB")
     assert again.returncode == 0, again.stderr[-4000:]  # finds the running actors
+    # Keys that define the actors must match the running ones (lease_ttl_s differed above:
+    # each engine's own); other values are refused by name, both shown, nothing changed.
+    other = _tierstore(
+        ray_head, "up", *cluster, "--cpu-bytes-per-node=32MiB", "--eviction-policy=arc"
+    )
+    assert other.returncode == 2, other.stderr[-4000:]
+    assert "cpu_bytes_per_node: running 67108864, this config 33554432" in other.stderr
+    assert "eviction_policy: running 'lru', this config 'arc'" in other.stderr
+    assert "lease_ttl_s" not in other.stderr
 
     status = _tierstore(ray_head, "status", *cluster, "--json")
     assert status.returncode == 0, status.stderr[-4000:]
