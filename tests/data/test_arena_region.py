@@ -1,9 +1,16 @@
-"""The arena's shared mapping on real files: owner-only, shared with workers, replaced on
-restart, and a file-backed fallback when /dev/shm is short of room."""
+"""The arena's shared mapping on real files: owner-only, in this user's private directory,
+shared with workers, replaced on restart (never while its NodeStore lives), and a
+file-backed fallback when /dev/shm is short of room."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import signal
 import stat
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +24,7 @@ from tierstore.data.arena.region import (
     ArenaMapping,
     ArenaRegion,
     RegionInfo,
+    arena_dir,
     arena_file_name,
 )
 
@@ -41,9 +49,10 @@ def test_arena_in_shm_is_private_shared_and_unlinked_on_close(
 ) -> None:
     region = ArenaRegion.create("ns-test", node, 3 * MiB + 5)
     regions.append(region)
-    path = SHM_DIR / arena_file_name("ns-test", node)
+    path = SHM_DIR / f"tierstore-{os.geteuid()}" / arena_file_name("ns-test", node)
     assert region.path == path and path.exists()
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(os.lstat(path.parent).st_mode) == 0o700
     assert region.nbytes % 4096 == 0 and region.nbytes >= 3 * MiB + 5
     assert region.address % 4096 == 0
     worker = ArenaMapping(region.info)
@@ -55,19 +64,48 @@ def test_arena_in_shm_is_private_shared_and_unlinked_on_close(
     region.close()  # idempotent
 
 
+def nodestore_process(
+    namespace: str, node: str, nbytes: int, shm_dir: Path = SHM_DIR
+) -> tuple[subprocess.Popen[str], RegionInfo]:
+    """A NodeStore-like process owning an arena (its first 8 bytes 7) until it is
+    killed: it runs no shutdown hook, so its file stays, its lock goes with it."""
+    code = (
+        "import dataclasses, json, sys, time\n"
+        "from pathlib import Path\n"
+        "from tierstore.data.arena.region import ArenaRegion\n"
+        f"r = ArenaRegion.create({namespace!r}, {node!r}, {nbytes}, "
+        f"shm_dir=Path({str(shm_dir)!r}), held_wait_s=0)\n"
+        "r.view(0, 8)[:] = 7\n"
+        "print(json.dumps(dataclasses.asdict(r.info)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "the NodeStore-like process failed to create its arena"
+    return proc, RegionInfo(**json.loads(line))
+
+
 def test_restart_replaces_a_stale_arena_with_an_empty_one(
     node: str, regions: list[ArenaRegion]
 ) -> None:
-    first = ArenaRegion.create("ns-test", node, MiB)
-    first.view(0, 8)[:] = 7
-    # The NodeStore dies without closing: its file stays. Its successor starts empty.
-    second = ArenaRegion.create("ns-test", node, MiB)
+    proc, first = nodestore_process("ns-test", node, MiB)
+    try:
+        dead = ArenaMapping(first)  # a worker still mapping the dead NodeStore's arena
+    finally:
+        proc.send_signal(signal.SIGKILL)  # dies without closing: its file stays
+        proc.wait()
+    assert Path(first.path).exists()
+    second = ArenaRegion.create("ns-test", node, MiB, held_wait_s=5)
     regions.append(second)
-    assert second.info.epoch != first.info.epoch
-    assert not second.array.any()
-    assert first.view(0, 8).tolist() == [7] * 8  # the dead one's pages are its own
+    assert second.info.path == first.path and second.info.epoch != first.epoch
+    assert second.info.inode != first.inode
+    assert not second.array.any()  # the successor starts empty
+    assert dead.view(0, 8).tolist() == [7] * 8  # the dead one's pages are its own
+    assert dead.replaced()
+    dead.close()
     with pytest.raises(ArenaError, match="bytes"):
-        ArenaMapping(RegionInfo(second.info.path, MiB * 2, second.info.epoch))
+        ArenaMapping(dataclasses.replace(second.info, nbytes=MiB * 2))
 
 
 def test_small_shm_falls_back_to_a_file_backed_arena(
@@ -77,8 +115,9 @@ def test_small_shm_falls_back_to_a_file_backed_arena(
         "ns-test", node, 2 * MiB, fallback_dir=tmp_path / "arena", shm_free_bytes=64 * 1024
     )
     regions.append(region)
-    assert region.path.parent == tmp_path / "arena"
-    assert not (SHM_DIR / arena_file_name("ns-test", node)).exists()
+    assert region.path.parent == tmp_path / "arena" / f"tierstore-{os.geteuid()}"
+    assert stat.S_IMODE(os.lstat(region.path.parent).st_mode) == 0o700
+    assert not (arena_dir(SHM_DIR) / arena_file_name("ns-test", node)).exists()
     worker = ArenaMapping(region.info)
     worker.view(5, 3)[:] = 9
     assert region.view(5, 3).tolist() == [9, 9, 9]

@@ -3,6 +3,7 @@ extents, pins, grants of a killed worker reclaimed, a full arena refusing, disk 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import uuid
@@ -154,7 +155,11 @@ def test_promotion_reads_a_disk_shard_straight_into_an_extent(
 def test_a_new_arena_after_a_restart_holds_nothing(tier: ArenaTier) -> None:
     data = _bytes(KiB, 6)
     tier.put(_id(0), StoredShard(_meta(data), data))
-    # The NodeStore dies without closing; its successor creates the arena of the same name.
+    # The NodeStore dies without closing: the kernel drops its lock, its file stays. Its
+    # successor creates the arena of the same name.
+    fd = tier.region._fd
+    assert fd is not None
+    fcntl.flock(fd, fcntl.LOCK_UN)
     successor = ArenaTier(ArenaRegion(tier.region.path, REGION), 48 * KiB)
     try:
         assert len(successor) == 0 and _id(0) not in successor

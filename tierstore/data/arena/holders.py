@@ -1,7 +1,8 @@
 """Who holds what in a node's arena: extents granted to workers, extents pinned by loads.
 
 A holder is a worker process of the node, identified by a lock file next to the arena
-(``<arena>.holder-<id>.lock``) on which it holds an ``flock`` for its whole life. The
+(``<arena>.holder-<id>.lock``, in the same private directory, created 0600 and never
+through a symlink) on which it holds an ``flock`` for its whole life. The
 kernel drops the lock when the process dies, however it dies, so the NodeStore can tell
 a dead holder from a live one without asking it: if it can take the lock, the holder is
 gone, and whatever it held goes back to the arena. Same node only: a worker of another
@@ -21,15 +22,16 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from tierstore.data.arena.locks import lock_is_free
+from tierstore.data.arena.locks import lock_is_free, unlink_if_free
+from tierstore.private_files import open_private
 
 logger = logging.getLogger(__name__)
 
-_ID = re.compile(r"^[0-9a-f]{8,64}$")
+_ID = re.compile(r"[0-9a-f]{8,64}", re.ASCII)
 
 
 def holder_lock_path(arena_path: str, holder: str) -> Path:
-    if not _ID.match(holder):
+    if not isinstance(holder, str) or not _ID.fullmatch(holder):
         raise ValueError(f"holder id must be 8-64 lowercase hex digits, got {holder!r}")
     return Path(f"{arena_path}.holder-{holder}.lock")
 
@@ -40,7 +42,8 @@ class HolderLock:
     def __init__(self, arena_path: str, holder: str | None = None) -> None:
         self.holder = holder or uuid.uuid4().hex
         self.path = holder_lock_path(arena_path, self.holder)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # Never through a symlink, never a file of another user's (UnsafePathError).
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BaseException:
@@ -51,7 +54,13 @@ class HolderLock:
     def close(self) -> None:
         """Release (worker shutdown): the NodeStore reclaims what is left at its next sweep."""
         if self._fd is not None:
-            self.path.unlink(missing_ok=True)
+            mine = os.fstat(self._fd)
+            try:
+                now = os.lstat(self.path)
+                if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.unlink(self.path)  # only our own file, not one put in its place
+            except FileNotFoundError:
+                pass
             os.close(self._fd)
             self._fd = None
 
@@ -60,9 +69,9 @@ def holder_alive(arena_path: str, holder: str) -> bool:
     """Whether ``holder``'s process still holds its lock; a dead one's file is removed."""
     path = holder_lock_path(arena_path, holder)
     free = lock_is_free(path)
-    if free is False or (free is None and path.exists()):
+    if free is False or (free is None and os.path.lexists(path)):
         return True  # held, or cannot be probed: keep its extents rather than risk them
-    path.unlink(missing_ok=True)
+    unlink_if_free(path)  # never a file someone took meanwhile, nor another user's
     return False
 
 

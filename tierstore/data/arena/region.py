@@ -1,44 +1,66 @@
 """A node's arena: one shared, page-aligned mapping of ``cpu_bytes_per_node`` (plus room for
 the extents workers hold), owned by the NodeStore and mapped by the workers of the node.
 
-Where it lives: a ``/dev/shm`` file named by namespace and node,
-``tierstore-<namespace>-<node>``, mode 0600. Containers often mount a small ``/dev/shm``
-(64 MiB under Docker's default), so the room is checked first; if it is short, the
-arena is a file-backed shared mapping in a fallback directory, as Ray's own object
-store does (the page cache holds it; the kernel writes dirty pages back lazily).
-Neither with room: :class:`ArenaError`, naming ``cpu_bytes_per_node`` and the mounts.
+Where it lives: in this user's private directory in ``/dev/shm``
+(``/dev/shm/tierstore-<uid>/``, mode 0700, made by :func:`tierstore.private_files.user_dir`),
+a file named by namespace and node, ``tierstore-<namespace>+<node>``, mode 0600; the
+workers' holder files sit next to it. Both names must match ``[A-Za-z0-9_.-]{1,64}`` in
+full (ASCII): two namespaces never share a file. What another local user planted where
+tierstore's files go (the directory, or a file in it) fails with
+:class:`~tierstore.private_files.UnsafePathError` naming it, never a hang, and nothing is
+followed through a symlink. Containers often mount a small ``/dev/shm`` (64 MiB under
+Docker's default), so the room is checked first; if it is short, the arena is a
+file-backed shared mapping in the same kind of private directory under a fallback
+directory, as Ray's own object store does (the page cache holds it; the kernel writes
+dirty pages back lazily). Neither with room: :class:`ArenaError`, naming
+``cpu_bytes_per_node`` and the mounts.
 
 The file is allocated whole (``posix_fallocate``: a full tmpfs fails here, never as a
 SIGBUS on a later write) and mapped pre-faulted (``MAP_POPULATE``). A file left by a dead
 NodeStore of the same name is replaced, never reused: a restarted NodeStore has an
-empty arena, so what it held are misses, never stale bytes. Each creation has a fresh
-``epoch``; workers check it, so a worker still mapping a replaced file notices.
+empty arena, so what it held are misses, never stale bytes. A file whose lock is still
+held (a live NodeStore's: a killed predecessor not yet exited is waited for, bounded) is
+never unlinked: :class:`ArenaError` names it and its holder. Each creation has a fresh
+``epoch``; workers check it, and map only the very file the NodeStore created (its
+device and inode, in :class:`RegionInfo`), so a worker still mapping a replaced file
+notices, and one never maps a file put in its place.
 
 ``close`` unlinks the file; workers' mappings of it stay valid until they unmap.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import re
+import stat
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tierstore.data.arena.locks import describe_holders, unlink_if_free
 from tierstore.data.arena.orphans import sweep_orphans
 from tierstore.errors import TierStoreError
+from tierstore.private_files import UnsafePathError, check_private, user_dir
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 PAGE = mmap.PAGESIZE
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+# A name in an arena's file name: matched in full, ASCII only (a trailing newline, a
+# Unicode digit or a separator never passes), so two namespaces never share a file.
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}", re.ASCII)
 _FILE_MODE = 0o600
+# A restarted NodeStore's killed predecessor may hold its arena's lock this long before
+# its process exits (``ray.kill`` returns first); a lock held longer is a live arena.
+HELD_WAIT_S = 30.0
+_HELD_POLL_S = 0.1
 
 
 class ArenaError(TierStoreError):
@@ -52,10 +74,31 @@ class RegionInfo:
     path: str
     nbytes: int
     epoch: str  # fresh per creation: a replaced file is never mistaken for this one
+    dev: int  # the file the NodeStore created: a worker maps only this one
+    inode: int
+
+
+def check_name(what: str, value: object) -> str:
+    """``value`` if it may name an arena file (``[A-Za-z0-9_.-]{1,64}``, in full)."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ArenaError(
+            f"{what} {value!r} cannot name an arena: it must be 1-64 ASCII letters, "
+            "digits, '_', '.' or '-', nothing else"
+        )
+    return value
 
 
 def arena_file_name(namespace: str, node_id: str) -> str:
-    return f"tierstore-{_SAFE.sub('_', namespace)}-{_SAFE.sub('_', node_id)}"
+    """``tierstore-<namespace>+<node>``: one file per (namespace, node), and no two
+    pairs share one (``+`` is in neither name)."""
+    return f"tierstore-{check_name('namespace', namespace)}+{check_name('node id', node_id)}"
+
+
+def arena_dir(base: Path) -> Path:
+    """This user's private directory for arenas under ``base`` (``/dev/shm``, or a
+    fallback directory), made 0700 on first use; raises
+    :class:`~tierstore.private_files.UnsafePathError` naming a planted one."""
+    return user_dir(base)
 
 
 def free_bytes(directory: Path) -> int:
@@ -94,15 +137,51 @@ class _Mapping:
             logger.debug("arena views still alive; unmapped when they are gone")
 
 
-class ArenaRegion(_Mapping):
-    """The NodeStore's side: creates the file, owns it, unlinks it at ``close``."""
+def _clear_stale(path: Path, held_wait_s: float) -> None:
+    """Make room for a new arena at ``path``: a file a dead NodeStore left there (this
+    user's, its lock free) is unlinked; a live one's is waited for up to ``held_wait_s``,
+    then refused by name, never unlinked. Anything else there (a symlink, a FIFO, a
+    directory, another user's file) raises UnsafePathError naming it."""
+    deadline = time.monotonic() + held_wait_s
+    while True:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        check_private(path, st, stat.S_IFREG)
+        if unlink_if_free(path, st):
+            logger.warning("replaced arena file %s left by a NodeStore that stopped", path)
+            return
+        if time.monotonic() >= deadline:
+            raise ArenaError(
+                f"{path} is a live arena: its lock is held by {describe_holders(path)} "
+                f"(still held after {held_wait_s:g} s). tierstore never removes a live "
+                "arena; is another NodeStore of this namespace running on this machine? "
+                "Stop it, or use another namespace"
+            )
+        time.sleep(_HELD_POLL_S)
 
-    def __init__(self, path: Path, nbytes: int) -> None:
+
+class ArenaRegion(_Mapping):
+    """The NodeStore's side: creates the file, owns it, unlinks it at ``close``.
+
+    ``path``'s directory must be this user's private one (:func:`arena_dir`)."""
+
+    def __init__(self, path: Path, nbytes: int, held_wait_s: float = 0.0) -> None:
         self.path = path
-        if path.exists() or path.is_symlink():
-            logger.warning("replacing arena file %s left by a NodeStore that stopped", path)
-            path.unlink()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, _FILE_MODE)
+        check_private(path.parent, os.lstat(path.parent), stat.S_IFDIR)
+        _clear_stale(path, held_wait_s)
+        try:
+            fd = os.open(
+                path,
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                _FILE_MODE,
+            )
+        except FileExistsError as exc:
+            raise ArenaError(
+                f"{path} was created by another process while this NodeStore started; "
+                "is another NodeStore of this namespace running on this machine?"
+            ) from exc
         try:
             # Held while this NodeStore lives: a file nobody holds it on is an orphan.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,16 +191,17 @@ class ArenaRegion(_Mapping):
             except OSError as exc:
                 raise ArenaError(f"cannot allocate {nbytes} bytes for {path}: {exc}") from exc
             super().__init__(fd, nbytes, populate=True)
-            self._inode = os.fstat(fd).st_ino
+            st = os.fstat(fd)
+            self._file = (st.st_dev, st.st_ino)
         except BaseException:
             path.unlink(missing_ok=True)
             os.close(fd)
             raise
         self._fd: int | None = fd
-        self.info = RegionInfo(str(path), nbytes, uuid.uuid4().hex)
+        self.info = RegionInfo(str(path), nbytes, uuid.uuid4().hex, st.st_dev, st.st_ino)
 
     @classmethod
-    def create(
+    def create(  # noqa: PLR0913 - the mounts, and the knobs tests turn
         cls,
         namespace: str,
         node_id: str,
@@ -129,29 +209,34 @@ class ArenaRegion(_Mapping):
         fallback_dir: Path | None = None,
         shm_dir: Path = SHM_DIR,
         shm_free_bytes: int | None = None,
+        held_wait_s: float = HELD_WAIT_S,
     ) -> ArenaRegion:
-        """The node's arena in ``shm_dir`` if it has room, else in ``fallback_dir``.
+        """The node's arena in this user's private directory in ``shm_dir`` if it has
+        room, else in one under ``fallback_dir``.
 
         ``shm_free_bytes`` stands in for the room ``shm_dir`` reports (None: ask it);
-        tests use it to play a small container mount.
+        tests use it to play a small container mount. ``held_wait_s``: how long a live
+        arena of the same name is waited for (a killed predecessor exiting) before
+        :class:`ArenaError`.
         """
         nbytes = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        name = arena_file_name(namespace, node_id)
+        name = arena_file_name(namespace, node_id)  # refused before anything is touched
+        shm_private = arena_dir(shm_dir)
         for directory in (shm_dir, fallback_dir):
-            if directory is not None and directory.is_dir():
+            if directory is not None:
                 sweep_orphans(directory)  # any namespace's, not only ours
-        stale = shm_dir / name
-        # A stale file of our own name does not count against the room: it is replaced.
-        reclaimable = stale.stat().st_size if stale.is_file() else 0
-        room = free_bytes(shm_dir) if shm_free_bytes is None else shm_free_bytes
-        if room + reclaimable >= nbytes:
+        stale = shm_private / name
+        # A stale file of our own name is gone first: its pages count as room.
+        _clear_stale(stale, held_wait_s)
+        room = free_bytes(shm_private) if shm_free_bytes is None else shm_free_bytes
+        if room >= nbytes:
             return cls(stale, nbytes)
         tried = [f"{shm_dir} ({room} bytes free)"]
         if fallback_dir is not None:
             fallback_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path = fallback_dir / name
-            reclaimable = path.stat().st_size if path.is_file() else 0
-            fallback_room = free_bytes(fallback_dir) + reclaimable
+            path = arena_dir(fallback_dir) / name
+            _clear_stale(path, held_wait_s)
+            fallback_room = free_bytes(path.parent)
             if fallback_room >= nbytes:
                 logger.warning(
                     "%s has %d bytes free, the arena needs %d: using a file-backed arena at %s",
@@ -160,7 +245,6 @@ class ArenaRegion(_Mapping):
                     nbytes,
                     path,
                 )
-                stale.unlink(missing_ok=True)  # never leave an older arena behind
                 return cls(path, nbytes)
             tried.append(f"{fallback_dir} ({fallback_room} bytes free)")
         raise ArenaError(
@@ -177,7 +261,8 @@ class ArenaRegion(_Mapping):
         if self._fd is None:
             return
         try:
-            if self.path.stat().st_ino == self._inode:
+            st = os.lstat(self.path)
+            if (st.st_dev, st.st_ino) == self._file:
                 self.path.unlink()
         except FileNotFoundError:
             pass
@@ -190,13 +275,26 @@ class ArenaMapping(_Mapping):
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
+        path = Path(info.path)
         try:
-            fd = os.open(info.path, os.O_RDWR | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO put in its place does not hang the open.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
-            raise ArenaError(f"cannot open the arena {info.path}: {exc}") from exc
+            if exc.errno == errno.ELOOP:
+                raise UnsafePathError(
+                    f"the arena {path} is a symlink; tierstore will not map through it"
+                ) from exc
+            raise ArenaError(f"cannot open the arena {path}: {exc}") from exc
         try:
             st = os.fstat(fd)
+            check_private(path, st, stat.S_IFREG)  # a regular file of this user's, 0600
             self._file = (st.st_dev, st.st_ino)
+            if self._file != (info.dev, info.inode):
+                raise ArenaError(
+                    f"{path} is not the file the NodeStore created (device {st.st_dev} "
+                    f"inode {st.st_ino}, expected {info.dev} {info.inode}): replaced, or "
+                    "another file put in its place; not mapped"
+                )
             size = st.st_size
             if size != info.nbytes:
                 raise ArenaError(f"arena {info.path} has {size} bytes, expected {info.nbytes}")
@@ -210,7 +308,7 @@ class ArenaMapping(_Mapping):
         """Whether the arena's path names another file now, or none (its NodeStore
         restarted, or stopped): this mapping is of an arena nobody serves any more."""
         try:
-            st = os.stat(self.info.path)
+            st = os.lstat(self.info.path)
         except FileNotFoundError:
             return True
         return (st.st_dev, st.st_ino) != self._file
