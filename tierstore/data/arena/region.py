@@ -201,7 +201,7 @@ class ArenaRegion(_Mapping):
         self.info = RegionInfo(str(path), nbytes, uuid.uuid4().hex, st.st_dev, st.st_ino)
 
     @classmethod
-    def create(  # noqa: PLR0913 - the mounts, and the knobs tests turn
+    def create(  # noqa: PLR0913 - the mounts, their room, and the wait
         cls,
         namespace: str,
         node_id: str,
