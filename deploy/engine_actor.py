@@ -47,7 +47,7 @@ def start_engine_on(
     """An :class:`EngineHost` on ``node_id`` (returns at once; the engine builds in
     ``__init__``, so the first call waits for it)."""
     return (
-        ray.remote(EngineHost)
+        ray.remote(EngineHost)  # type: ignore[return-value]  # Ray: ActorHandle | type
         .options(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),

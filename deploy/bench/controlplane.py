@@ -33,7 +33,7 @@ from typing import Any
 import ray
 from tierstore.deploy.bench import plots
 from tierstore.deploy.bench.common import percentile, ray_session
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ChunkIndex, LookupAnswer, LookupState, ShardOffer
@@ -52,15 +52,16 @@ _END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 _NO_DEADLINE_MS = 3_600_000.0
 
 
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
+def _key(i: int) -> OffloadKey:
+    """The ``i``-th key of group 0, as vLLM hands it to the manager."""
+    return OffloadKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
 
 
 @dataclass
 class _Request:
     ctx: ReqContext
-    lookups: list[ChunkKey]
-    stores: list[ChunkKey]
+    lookups: list[OffloadKey]
+    stores: list[OffloadKey]
     arrived: float
 
 
@@ -77,7 +78,9 @@ class _Record:
 class SimulatedScheduler:
     """Calls the manager as vLLM's OffloadingConnector does, on this (the scheduler) thread."""
 
-    def __init__(self, manager: TierStoreManager, stored: list[ChunkKey], fresh_from: int) -> None:
+    def __init__(
+        self, manager: TierStoreManager, stored: list[OffloadKey], fresh_from: int
+    ) -> None:
         self._manager = manager
         self._stored = stored
         self._fresh = itertools.count(fresh_from)
@@ -117,7 +120,7 @@ class SimulatedScheduler:
         self.record.lookup_calls.append(self._calls)
         self._step += 1
 
-    def _lookup(self, request: _Request) -> list[ChunkKey] | None:
+    def _lookup(self, request: _Request) -> list[OffloadKey] | None:
         """vLLM's prefix scan: keeps going past RETRY, stops at the first MISS."""
         hits, deferred = [], False
         for key in request.lookups:
@@ -131,7 +134,7 @@ class SimulatedScheduler:
                 hits.append(key)
         return None if deferred else hits
 
-    def _finish(self, request: _Request, hits: list[ChunkKey]) -> None:
+    def _finish(self, request: _Request, hits: list[OffloadKey]) -> None:
         if hits:
             self._manager.prepare_load(hits, request.ctx)
             self._manager.complete_load(hits, request.ctx)
@@ -176,7 +179,7 @@ class _Echo:
     """Answers a lookup batch without an index: Ray's round trip alone."""
 
     def lookup(
-        self, namespace: Namespace, keys: list[ChunkKey], holder: str, lease_ttl_s: float
+        self, namespace: Namespace, keys: list[OffloadKey], holder: str, lease_ttl_s: float
     ) -> list[LookupAnswer]:
         return [LookupAnswer(LookupState.MISS)] * len(keys)
 
@@ -193,11 +196,12 @@ def _calls_per_s(call: Any, n_keys: int, seconds: float) -> float:
 
 
 def _baselines(
-    evictor: Any, echo: Any, node: str, keys: list[ChunkKey], seconds: float
+    evictor: Any, echo: Any, node: str, keys: list[OffloadKey], seconds: float
 ) -> dict[str, float]:
+    chunk_keys = [ChunkKey(k) for k in keys]
     index = ChunkIndex()
     index.register_node(NodeId(node), 1 << 40)
-    index.admit(NodeId(node), [ShardOffer(NS, k, 0, 1, _CHUNK_BYTES) for k in keys], 0.0)
+    index.admit(NodeId(node), [ShardOffer(NS, k, 0, 1, _CHUNK_BYTES) for k in chunk_keys], 0.0)
     now = time.monotonic()
     result = {
         "evictor_direct": _calls_per_s(
@@ -209,7 +213,7 @@ def _baselines(
             lambda: ray.get(echo.lookup.remote(NS, keys, "bench-echo", 30.0)), len(keys), seconds
         ),
         "index_in_process": _calls_per_s(
-            lambda: index.lookup(NS, keys, "bench-local", now, 30.0), len(keys), seconds
+            lambda: index.lookup(NS, chunk_keys, "bench-local", now, 30.0), len(keys), seconds
         ),
     }
     evictor.release_holder("bench-direct").result()
@@ -273,10 +277,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from tierstore.actors.clients import EvictorClient
 
         evictor = EvictorClient(get_or_create_evictor(cfg))
-        echo = ray.remote(_Echo).options(num_cpus=0).remote()
+        echo: Any = ray.remote(_Echo).options(num_cpus=0).remote()
         node = ray.get_runtime_context().get_node_id()
         evictor.register_node(node, cfg.cpu_bytes_per_node).result()
-        offers = [ShardOffer(NS, _key(i), 0, 1, _CHUNK_BYTES) for i in range(max(key_counts))]
+        offers = [
+            ShardOffer(NS, ChunkKey(_key(i)), 0, 1, _CHUNK_BYTES) for i in range(max(key_counts))
+        ]
         accepted, _ = evictor.admit(node, offers).result()
         assert all(accepted), "the Evictor refused chunks of an empty, huge tier"
         rows = [bench_keys(cfg, evictor, echo, node, n, args.quick) for n in key_counts]

@@ -81,7 +81,7 @@ class Endpoint:
 
     def put_get_s(self, producer: ray.actor.ActorHandle) -> float:
         started = time.perf_counter()
-        data = ray.get(ray.get(producer.put.remote())[0])
+        data: Any = ray.get(ray.get(producer.put.remote())[0])
         elapsed = time.perf_counter() - started
         assert data.nbytes == self._size
         return elapsed
@@ -92,7 +92,7 @@ class Endpoint:
 
 def _endpoint(cfg: TierStoreConfig, node_id: str, size: int) -> ray.actor.ActorHandle:
     return (
-        ray.remote(Endpoint)
+        ray.remote(Endpoint)  # type: ignore[return-value]  # Ray: ActorHandle | type
         .options(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),

@@ -43,7 +43,7 @@ _REPEATS = 5
 _STREAM_JOBS = 4
 
 
-def _median_s(run: Callable[[], None]) -> float:
+def _median_s(run: Callable[[], object]) -> float:
     times = []
     for _ in range(_REPEATS):
         started = time.perf_counter()
@@ -201,7 +201,8 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
     committed_s = _median_s(store_committed)
     (answer,) = evictor.lookup(NS, [keys[-1]], "bench", 60.0).result()
     stream_s, misses = _store_stream(jobs, cfg.namespace, round_)
-    spec = LoadSpec.build(NS, [keys[-1]], [answer[1]])
+    assert answer.where is not None, "the chunk just stored is not held"
+    spec = LoadSpec.build(NS, [keys[-1]], [answer.where])
     load_s, pinned_s = _loads(jobs, spec)
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     out = np.empty_like(data)

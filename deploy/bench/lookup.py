@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tierstore.deploy.bench.common import percentile
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext, ScheduleEndContext
 
 from tierstore.config import TierStoreConfig
 from tierstore.control.index import ShardOffer
@@ -49,8 +49,9 @@ _REPO = Path(__file__).resolve().parents[2]
 _ENGINE_READY_S = 600
 
 
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
+def _key(i: int) -> OffloadKey:
+    """The ``i``-th key of group 0, as vLLM hands it to the manager."""
+    return OffloadKey(i.to_bytes(8, "big") + (0).to_bytes(4, "big"))
 
 
 def _stats(values_s: list[float]) -> dict[str, float]:
@@ -64,7 +65,7 @@ def _stats(values_s: list[float]) -> dict[str, float]:
 
 def measure_direct(evictor: Any, seconds: float) -> dict[str, float]:
     """Round trips of one 16-key lookup call, every 20 ms, for ``seconds``."""
-    keys, times = [_key(i) for i in range(KEYS)], []
+    keys, times = [_key(i) for i in range(KEYS)], list[float]()
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline or len(times) < 3:
         started = time.perf_counter()
@@ -90,7 +91,7 @@ def measure_manager(cfg: TierStoreConfig, evictor: Any, seconds: float) -> dict[
         for i, key in enumerate(keys):
             ctx.set_offload_key_position(key, (i + 1) * 32)
         manager.on_new_request(ctx)
-        started, answered = time.perf_counter(), {}
+        started, answered = time.perf_counter(), dict[OffloadKey, LookupResult]()
         while len(answered) < len(keys):
             for key in keys:
                 if key not in answered:
@@ -199,10 +200,10 @@ def measure_case(niceness: str | None, seconds: float) -> dict[str, Any]:
         evictor = EvictorClient(handle)
         node = ray.get_runtime_context().get_node_id()
         evictor.register_node(node, cfg.cpu_bytes_per_node).result()
-        offers = [ShardOffer(NS, _key(i), 0, 1, 100) for i in range(KEYS)]
+        offers = [ShardOffer(NS, ChunkKey(_key(i)), 0, 1, 100) for i in range(KEYS)]
         accepted, _ = evictor.admit(node, offers).result()
         assert all(accepted), "the Evictor refused chunks of an empty tier"
-        pid = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=120)
+        pid: Any = ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=120)
         return {
             "RAY_worker_niceness": niceness,
             "evictor_niceness": os.getpriority(os.PRIO_PROCESS, pid),

@@ -56,7 +56,7 @@ class CorruptionLedger:
         for node_id in node_ids:
             store = _node_store(self.namespace, node_id)
             status = node_store_status(self.namespace, node_id) if store else None
-            if status is not None:
+            if store is not None and status is not None:
                 found = sum(int(status["stats"][c]) for c in _CORRUPT_STATS)
                 self.seen[store._actor_id.hex()] = found
         return self.detected
@@ -139,7 +139,8 @@ def kill_evictor(namespace: str, out: Injected) -> None:
     def answers() -> bool:
         try:
             handle = ray.get_actor(EVICTOR_NAME, namespace=namespace)
-            return ray.get(handle.status.remote(), timeout=_CALL_TIMEOUT_S)["chunks"] >= 0
+            status: Any = ray.get(handle.status.remote(), timeout=_CALL_TIMEOUT_S)
+            return status["chunks"] >= 0
         except (ValueError, ray.exceptions.RayError):
             return False
 

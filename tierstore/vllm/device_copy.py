@@ -254,8 +254,9 @@ class HostCopier(DeviceCopier):
     ) -> Gathered:
         started = time.perf_counter()
         digests = None
-        if self._walks(plan):  # the C walk; a large job also hashed as it is copied
-            digests = fused_copy.gather(arena, self._tables, plan, block_ids, offsets)
+        tables = self._walk_tables(plan)
+        if tables is not None:  # the C walk; a large job also hashed as it is copied
+            digests = fused_copy.gather(arena, tables, plan, block_ids, offsets)
         else:
             runs = runs_of(plan.chunks, offsets)
             gather_into(self._executor, self.planner.build(plan, block_ids), arena, runs)
@@ -264,8 +265,10 @@ class HostCopier(DeviceCopier):
     def prepare_scatter(
         self, plan: JobPlan, block_ids: np.ndarray, expedited: bool = False
     ) -> Scatter:
-        walks = self._walks(plan)
-        copy_plan = _OnDemand(functools.partial(self.planner.build, plan, block_ids), not walks)
+        tables = self._walk_tables(plan)
+        copy_plan = _OnDemand(
+            functools.partial(self.planner.build, plan, block_ids), tables is None
+        )
         executor = self._executor
         return Scatter(
             lambda data: executor.scatter(copy_plan(), data),
@@ -273,18 +276,23 @@ class HostCopier(DeviceCopier):
             from_pieces=lambda pieces: _scatter_pieces(executor, copy_plan(), pieces),
             on_caller=True,
             verified=(
-                functools.partial(self._walk, plan, block_ids),
-                functools.partial(self._walk_pieces, plan, block_ids),
+                functools.partial(self._walk, tables, plan, block_ids),
+                functools.partial(self._walk_pieces, tables, plan, block_ids),
             )
-            if walks
+            if tables is not None
             else None,
         )
 
-    def _walks(self, plan: JobPlan) -> bool:
-        return self._tables is not None and plan.nbytes >= fused_copy.MIN_BYTES
+    def _walk_tables(self, plan: JobPlan) -> fused_copy.PlanTables | None:
+        """The C walk's tables where it serves this job (built, and the job large
+        enough), else None."""
+        if self._tables is None or plan.nbytes < fused_copy.MIN_BYTES:
+            return None
+        return self._tables
 
+    @staticmethod
     def _walk(
-        self,
+        tables: fused_copy.PlanTables,
         plan: JobPlan,
         block_ids: np.ndarray,
         arena: np.ndarray,
@@ -294,13 +302,17 @@ class HostCopier(DeviceCopier):
         """Verify and scatter in one pass (:mod:`tierstore.data.fused_copy`); ``chunks``
         are the plan's."""
         assert chunks is plan.chunks or tuple(chunks) == plan.chunks
-        walked = fused_copy.scatter_verified(arena, self._tables, plan, block_ids, extents)
+        walked = fused_copy.scatter_verified(arena, tables, plan, block_ids, extents)
         return walked == fused_copy.OK
 
+    @staticmethod
     def _walk_pieces(
-        self, plan: JobPlan, block_ids: np.ndarray, pieces: Sequence[tuple[np.ndarray, int]]
+        tables: fused_copy.PlanTables,
+        plan: JobPlan,
+        block_ids: np.ndarray,
+        pieces: Sequence[tuple[np.ndarray, int]],
     ) -> bool:
-        walked = fused_copy.scatter_verified_pieces(self._tables, plan, block_ids, pieces)
+        walked = fused_copy.scatter_verified_pieces(tables, plan, block_ids, pieces)
         return walked == fused_copy.OK
 
 

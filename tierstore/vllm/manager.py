@@ -18,6 +18,7 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -206,8 +207,8 @@ class TierStoreManager(OffloadingManager):
                         keys,
                         state.holder,
                         self._cfg.lease_ttl_s,
-                        lambda answers, r=req_id, k=keys, t=state.unsent_since: self._on_answers(
-                            r, k, answers, t
+                        functools.partial(
+                            self._on_answers, req_id, keys, asked_at=state.unsent_since
                         ),
                         node=self._local_node,
                     )

@@ -221,8 +221,8 @@ class TierStoreWorker(OffloadingWorker):
                     self._put(c.spec, c.plan, self.arena.job_bytes(c.filled, c.plan))
                 except Exception as exc:
                     failed.append((c, exc))
-            for c, exc in failed:
-                self._store_failed(c.job_id, len(c.plan.chunks), exc)
+            for c, error in failed:
+                self._store_failed(c.job_id, len(c.plan.chunks), error)
         finally:
             self._uncommitted.end(batch)
 
