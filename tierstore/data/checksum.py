@@ -1,7 +1,7 @@
 """Chunk checksums: xxh3-64, computed by the worker at store time, checked on every load.
 
 Large buffers are hashed through ctypes, which releases the GIL for the call: the
-``xxhash`` binding holds it for the whole hash (0.75 ms per 16 MiB here), which stalls
+``xxhash`` binding holds it for the whole hash, which stalls
 every other Python thread of the process meanwhile: the model runner beside a commit
 thread's hash, for one. The C function is the binding's own ``XXH3_64bits`` (its
 extension module exports it), checked at import against the binding on a test buffer;
@@ -20,7 +20,7 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 CHECKSUM_ALGORITHM = "xxh3_64"
-# Below this the ctypes call (~1 us) costs more than the hash it lets run beside others.
+# Below this the ctypes call costs more than the hash it lets run beside others.
 NATIVE_MIN_BYTES = 64 << 10
 
 

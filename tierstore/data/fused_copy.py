@@ -7,10 +7,8 @@ it from memory into the KV pages. The C walk (``fused_copy.c``, built as
 piece right after, while it is in cache: a store's digests are known when its gather
 returns, and a load's bytes are verified as they are copied. It walks the job's plan
 itself (spans of blocks, each block a slot of one page per layer), so no per-page table
-is built in Python: on this machine each small numpy call costs 3-8 us, which was most
-of a 1 MiB job's time. Measured in process (16 MiB of 64 KiB pages scattered over a KV
-cache 8x its size, caches flushed): memcpy 2.2 ms, hash then numpy scatter 3.4 ms
-(0.66x), one pass 2.5 ms (0.88x); 64 MiB 0.69x -> 0.87x.
+is built in Python, whose small numpy calls were most of a small job's time. One pass
+reads each piece once, while it is in cache (docs/benchmarks.md, "dataplane").
 
 The catch is a load's order: a shard's bytes may land in the destination blocks before
 its digest is known to be wrong. The caller then fails the load (or tries again,
@@ -53,8 +51,8 @@ MIN_BYTES = 0
 # read the extents back from memory. Smaller loads keep their pages in cache for the
 # forward that reads them; smaller stores only copy, on the model-runner thread (which
 # computes the next forward on the CPU platform), and leave the hash to the commit
-# thread, which finds the extents still in cache. Measured in the data-plane bench:
-# hashing 1 MiB stores at submit took them from 0.063-0.085x to 0.040-0.048x memcpy.
+# thread, which finds the extents still in cache. Hashing small stores at submit made
+# them slower: the hash moved onto the model-runner thread.
 STREAMING_MIN_BYTES = 4 << 20
 
 _SPAN_WIDTH = 6  # first filled slot's job offset, blocks, ids start, slot bytes, refs lo, hi

@@ -6,12 +6,9 @@ thousands of small pages cost no Python each. A gather numpy cannot do in one co
 (padded pages, several layers per slot) uses fancy indexing plus a copy, or, for pages
 of 16 KiB and more, one ``memmove`` per page.
 
-Chosen by ``deploy/bench/hostcopy.py`` (``tierstore bench dataplane``, "host_copy") on
-this project's busy 2-core machine (best of 30 interleaved rounds, ratio to
-``numpy.copyto`` of the same bytes): this executor ran 1.0-1.2x for consecutive blocks,
-1.6-3x for scattered 4-32 KiB pages and 2.6-4.8x for 1 KiB pages; a ``ctypes.memmove``
-or numpy slice per run 1.6-2.2x at 32 KiB but 4-22x on small pages (~1-2 us of Python
-per run), torch index ops (the former path) 2.3-6.9x.
+Chosen by ``deploy/bench/hostcopy.py`` (``tierstore bench dataplane``, "host_copy";
+figures in docs/benchmarks.md): the fastest candidate on scattered and small pages; a
+``ctypes.memmove`` or numpy slice per run pays Python's per-call cost on every page.
 
 Thread: any. No per-job allocation but numpy's temporary in the two-copy gather.
 """
@@ -29,7 +26,8 @@ from tierstore.data.layout import ChunkLayout
 
 # Gathers of pages at least this large that numpy cannot do in one copy (padded pages,
 # or a group of several layers) use one memmove per page: measured as fast or faster
-# than numpy's two copies from 32 KiB up, slower at 4 KiB (Python's ~1-2 us per call).
+# than numpy's two copies from 32 KiB up, slower on small pages, where Python's per-call
+# cost dominates.
 MEMMOVE_MIN_PAGE = 16 << 10
 
 
@@ -93,7 +91,7 @@ class HostExecutor:
 
 @functools.cache
 def _item(page_bytes: int) -> np.dtype:
-    return np.dtype((np.void, page_bytes))  # ~4 us to build: a job may need it 100s of times
+    return np.dtype((np.void, page_bytes))  # cached: a job may need it hundreds of times
 
 
 def _as_rows(tensor: torch.Tensor) -> np.ndarray:
@@ -108,7 +106,7 @@ def _buffer_items(buffer: np.ndarray, batch: RowBatch) -> np.ndarray:
     region = buffer[batch.offset : end]
     if batch.stride == page:
         return region.view(_item(page))
-    # The constructor, not ``as_strided`` (~8 us a call): one call per page batch and
+    # The constructor, not ``as_strided`` (much dearer per call): one call per page batch and
     # extent, so a job spread over many extents pays it many times.
     return np.ndarray((n,), _item(page), buffer=region, strides=(batch.stride,))
 

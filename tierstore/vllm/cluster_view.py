@@ -5,9 +5,8 @@ holds at all.
 The last lets a lookup of a key no node holds answer MISS at once, and one some node
 holds answer HIT at once (where the manager may: its ``answer_hits_from_picture``).
 Without it every new request waited one Evictor round trip and a scheduler step before
-it could be scheduled (7-9 ms on an idle CPU engine; a whole forward step on a busy
-one). The picture is a snapshot of the index followed by the Evictor's event log, and
-is trusted only while it is fresh (``presence_max_age_ms`` since the poll it reflects
+it could be scheduled. The picture is a snapshot of the index followed by the Evictor's
+event log, and is trusted only while it is fresh (``presence_max_age_ms`` since the poll it reflects
 was sent): a chunk another engine stored since then reads as absent and is recomputed,
 a lost hit and never wrong output. Whatever breaks the chain (the log wrapped past this
 reader, the Evictor restarted) drops the picture until a new snapshot lands; meanwhile,

@@ -318,7 +318,7 @@ class HostCopier(DeviceCopier):
 
 class _OnDemand:
     """A job's copy plan, built the first time a numpy copy needs it: the C walk reads
-    the job plan itself, and building one costs ~20-40 us of Python per job here."""
+    the job plan itself, and building one is Python work per job."""
 
     def __init__(self, build: Callable[[], CopyPlan], now: bool) -> None:
         self._build = build

@@ -180,7 +180,7 @@ class TierStoreManager(OffloadingManager):
         if node is None:
             # On disk only: asked, as the lookup starts its promotion, and the load a
             # step later mostly finds it in memory. Loaded at once, it raced the
-            # promotion through the object store: disk hits waited 35-42 ms, not 20-23.
+            # promotion through the object store and waited longer than asking does.
             return False
         where = dict.fromkeys(range(self._picture_ranks), node)
         state.guess(key, where, now, self._cfg.presence_max_age_ms / 1000)

@@ -68,7 +68,7 @@ __all__ = ["NodeStoreCalls", "TierStoreWorker", "WorkerPorts"]
 
 # Same-node loads up to this size, when the host executor copies them, run at submit on
 # the model-runner thread (an unpinned read): a hand-off to a transfer thread costs
-# ~0.3-0.6 ms here, most of a 1 MiB load; above it the copy dominates, and a long one
+# more than a small load's copy; above it the copy dominates, and a long one
 # would hold up the step.
 INLINE_LOAD_MAX_BYTES = 8 << 20
 
