@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.control.index import LookupState
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.tiers.disk import chunk_records
+from tierstore.data.tiers.disk_folder import FOLDER_NAME
 from tierstore.vllm.transfer_specs import StoreSpec
 
 CHUNK = 2 * 96  # one chunk of group 0 in the shared test layout
@@ -91,6 +94,43 @@ def test_chunks_on_disk_survive_a_restart_of_every_actor(disk_cfg: TierStoreConf
     evictor = get_or_create_evictor(disk_cfg)
     ray.get(evictor.release_holder.remote("test"))
     _load_spec(disk_cfg, keys[4:8])  # and more, once the first ones may go back down
+
+
+def test_the_node_store_writes_only_in_its_own_folder_of_disk_path(
+    disk_cfg: TierStoreConfig, tmp_path: Path
+) -> None:
+    """What the user keeps in disk_path, and symlinks planted where the layout before
+    tierstore's folder kept its lock and slabs, are untouched through stores and a
+    restart of every actor; disk_path's mode too."""
+    disk = Path(disk_cfg.disk_path)
+    (disk / NS).mkdir(parents=True, mode=0o755)
+    disk.chmod(0o755)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"not tierstore's")
+    (disk / ".lock").symlink_to(victim)
+    (disk / NS / f"{CHUNK // 2}.slab").symlink_to(victim)
+    (disk / NS / f"{CHUNK}.slab").symlink_to(victim)
+    (disk / "notes.txt").write_bytes(b"the user's")
+    os.chmod(disk / "notes.txt", 0o644)
+    before = sorted((p.name, os.lstat(p).st_mode) for p in disk.rglob("*"))
+
+    worker = _worker(disk_cfg, _kv())
+    _store_chunks(worker, 10)
+    _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 10)
+    shutdown_actors(disk_cfg.namespace)
+    _worker(disk_cfg, _kv())
+    assert collect_status(disk_cfg.namespace)["nodes"][0]["disk"]["chunks"] == 10
+
+    assert victim.read_bytes() == b"not tierstore's"
+    assert (disk / "notes.txt").read_bytes() == b"the user's"
+    assert stat.S_IMODE(disk.stat().st_mode) == 0o755
+    after = sorted(
+        (p.name, os.lstat(p).st_mode)
+        for p in disk.rglob("*")
+        if FOLDER_NAME not in p.relative_to(disk).parts
+    )
+    assert after == before
+    assert {r.location.path.parent.parent for r in chunk_records(disk)} == {disk / FOLDER_NAME}
 
 
 def test_flipped_and_torn_chunks_become_misses_and_are_counted(

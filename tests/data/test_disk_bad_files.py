@@ -22,6 +22,7 @@ from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard
 from tierstore.data.tiers.chunk_header import MAGIC
 from tierstore.data.tiers.disk import DiskTier, chunk_records
+from tierstore.data.tiers.disk_folder import FOLDER_NAME
 from tierstore.data.tiers.slab import HEADER_ROOM
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, ShardId
@@ -227,7 +228,7 @@ def test_a_directory_where_a_file_should_be_does_not_stop_recovery(
 ) -> None:
     root = _place(tmp_path, _page(GOOD))
     for name in names:
-        (root / NS / name / "00").mkdir(parents=True, exist_ok=True)
-        (root / name).mkdir(exist_ok=True)
+        (root / FOLDER_NAME / NS / name / "00").mkdir(parents=True, exist_ok=True)
+        (root / FOLDER_NAME / name).mkdir(exist_ok=True)
     tier = DiskTier(root, 1 << 20)
     assert np.array_equal(tier.get(SHARD).data, PAYLOAD)

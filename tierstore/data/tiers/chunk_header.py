@@ -28,7 +28,7 @@ from tierstore.keys import ChunkKey, Namespace, ShardId, group_of
 MAGIC = b"TSC2"
 PREFIX = struct.Struct(">4sIQ")
 MAX_HEADER_BYTES = 2048  # a header is ~150 bytes; anything bigger is corruption
-HEX = re.compile(r"^[0-9a-f]{1,64}$")
+HEX = re.compile(r"[0-9a-f]{1,64}")  # fullmatch only: "$" would also take a trailing "\n"
 _FIELDS = frozenset(
     {"namespace", "key", "group", "rank", "length", "slot_mask", "checksum", "digest"}
     | {"world_size", "parent"}
@@ -40,7 +40,7 @@ UNREADABLE = (OSError, ValueError, msgpack.UnpackException)
 
 def check_namespace(namespace: str) -> str:
     """Namespaces name directories: only hex digests, never raw input."""
-    if not HEX.match(namespace):
+    if not HEX.fullmatch(namespace):
         raise ValueError(f"namespace must be a hex digest, got {namespace!r}")
     return namespace
 
@@ -93,7 +93,7 @@ def _bounded(header: dict[str, Any], name: str, low: int, high: int) -> int:
     value = _field(header, name, int)
     if not low <= value < high:
         raise ValueError(f"header field {name!r} = {value} is outside [{low}, {high})")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
@@ -105,7 +105,7 @@ def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
     if _field(header, "checksum", str) != CHECKSUM_ALGORITHM:
         raise ValueError(f"unknown checksum {header['checksum']!r}")
     namespace = _field(header, "namespace", str)
-    if not HEX.match(namespace):
+    if not HEX.fullmatch(namespace):
         raise ValueError("header namespace is not a hex digest")
     parent = header.get("parent")
     if parent is not None and not isinstance(parent, bytes):

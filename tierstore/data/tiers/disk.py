@@ -1,10 +1,13 @@
 """Disk tier: chunks in slots of slab files, checksummed, rebuilt from headers on start.
 
-Layout: ``<root>/<namespace>/<payload bytes>.slab``, one file per chunk size of a
-namespace (:mod:`tierstore.data.tiers.slab`: why slots and not a file per chunk). A
-chunk write is one ``pwritev`` of its header page and payload into a free slot; a
-delete zeroes the slot's header. Paths come from hex digests and integers only, never
-from raw input.
+Layout: ``<disk_path>/tierstore-disk-v<layout>/[node-<id>/]<namespace>/<payload
+bytes>.slab``, one file per chunk size of a namespace (:mod:`tierstore.data.tiers.slab`:
+why slots and not a file per chunk). Only that folder, which tierstore makes and marks,
+is ever written; the rest of ``disk_path`` is the user's
+(:mod:`tierstore.data.tiers.disk_folder`: the folder, the claim of it, the room check).
+Every file in it is made 0600 (folders 0700) and opened ``O_NOFOLLOW``. A chunk write is
+one ``pwritev`` of its header page and payload into a free slot; a delete zeroes the
+slot's header. Paths come from hex digests and integers only, never from raw input.
 
 Crash safety without a rename: a slot is published in memory only after its write
 returned, and every read is checksum-verified, so a write torn by a crash reads back as
@@ -19,9 +22,9 @@ page per chunk and the page padding of each payload aside).
 
 from __future__ import annotations
 
+import io
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,27 +37,29 @@ from typing_extensions import override
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.data.tiers.chunk_header import (
-    HEX,
     UNREADABLE,
     check_namespace,
     decode_header,
     encode_header,
     parse_header,
 )
-from tierstore.data.tiers.slab import (
-    HEADER_ROOM,
-    SUFFIX,
-    SlabFile,
-    payload_size_of,
-    slab_name,
-    slot_bytes_for,
+from tierstore.data.tiers.disk_folder import (
+    CLAIM_TIMEOUT_S,
+    check_node_id,
+    check_size,
+    claim,
+    open_file,
+    open_folder,
+    slab_files,
+    store_dirs,
+    warn_if_short,
 )
+from tierstore.data.tiers.slab import HEADER_ROOM, SlabFile, slab_name, slot_bytes_for
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ShardId
+from tierstore.private_files import private_dir
 
 logger = logging.getLogger(__name__)
-
-_DIR_MODE = 0o700
 
 
 class _Placed(NamedTuple):
@@ -79,14 +84,32 @@ class DiskTier(Tier):
     lists and the byte counts, never a payload read or write, so loads on the
     NodeStore's data threads read slots while its control thread writes and deletes
     others. A slot freed and written over under a read fails that read's checksum
-    (ChunkNotFoundError: the shard is gone), never serves the new bytes."""
+    (ChunkNotFoundError: the shard is gone), never serves the new bytes.
+
+    Opening one checks ``disk_path``'s filesystem first (a capacity larger than it is a
+    ConfigError, less free room than the capacity a warning), takes tierstore's folder in
+    it (:func:`~tierstore.data.tiers.disk_folder.open_folder`) and claims a directory
+    there for ``node_id`` (:func:`~tierstore.data.tiers.disk_folder.claim`), held until
+    :meth:`close`. ``folder`` is tierstore's folder, ``root`` the directory claimed."""
 
     name = "disk"
     copies_on_put = True  # to a file
 
-    def __init__(self, root: Path, capacity_bytes: int, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        disk_path: Path,
+        capacity_bytes: int,
+        fsync: bool = False,
+        node_id: str = "local",
+        claim_timeout_s: float = CLAIM_TIMEOUT_S,
+    ) -> None:
+        self._claim_fd = -1
         super().__init__(capacity_bytes)
-        self.root = Path(root)
+        self.disk_path = Path(disk_path)
+        check_node_id(node_id)  # before anything is made
+        check_size(self.disk_path, capacity_bytes)
+        self.folder = open_folder(self.disk_path)
+        self.root, self._claim_fd = claim(self.folder, node_id, claim_timeout_s)
         self.fsync = fsync
         self._index: dict[ShardId, _Placed] = {}
         self._slabs: dict[tuple[str, int], SlabFile] = {}
@@ -94,9 +117,12 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         self.corrupt_chunks_removed = 0
         self.slots_reused = 0  # writes into a freed slot's blocks instead of new ones
-        self.root.mkdir(parents=True, exist_ok=True, mode=_DIR_MODE)
-        self.root.chmod(_DIR_MODE)
-        self._rebuild()
+        try:
+            self._rebuild()
+        except BaseException:
+            self.close()
+            raise
+        warn_if_short(self.disk_path, capacity_bytes, self.file_bytes())
 
     # ---- Tier ------------------------------------------------------------------------------
     @override
@@ -136,8 +162,7 @@ class DiskTier(Tier):
         """The slab file of that size (lock held; opened, and made, on first use)."""
         slab = self._slabs.get((namespace, nbytes))
         if slab is None:
-            folder = self.root / check_namespace(namespace)
-            folder.mkdir(exist_ok=True, mode=_DIR_MODE)
+            folder = private_dir(self.root / check_namespace(namespace))  # never a symlink
             slab = self._slabs[(namespace, nbytes)] = SlabFile(folder / slab_name(nbytes), nbytes)
         return slab
 
@@ -247,25 +272,40 @@ class DiskTier(Tier):
         offset = placed.slab.offset(placed.slot) + HEADER_ROOM
         return ChunkLocation(placed.slab.path, offset, placed.meta.nbytes)
 
+    def file_bytes(self) -> int:
+        """Bytes the tier's slab files take on disk (holes excluded)."""
+        with self._lock:
+            return sum(os.fstat(slab.fd).st_blocks * 512 for slab in self._slabs.values())
+
     def close(self) -> None:
-        """Close the slab files (tests and tools that reopen the directory in process)."""
+        """Close the slab files and give up the claim of the directory (tests and tools
+        that reopen it in process; a NodeStore's claim goes with its process)."""
         with self._lock:
             for slab in self._slabs.values():
                 slab.close()
             self._slabs.clear()
             self._index.clear()
+        self._release()
+
+    def _release(self) -> None:
+        fd, self._claim_fd = self._claim_fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    __del__ = _release  # a tier dropped unclosed frees its claim with it
 
     # ---- start-up --------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Inventory from the headers alone; payloads are verified when read."""
-        _remove_legacy_files(self.root)
-        for folder in sorted(self.root.iterdir()):
-            if not (HEX.match(folder.name) and folder.is_dir()):
+        """Inventory from the headers of tierstore's own slab files alone (a symlink or
+        a file of another user's planted among them is skipped with a warning naming
+        it); payloads are verified when read."""
+        for namespace, path, nbytes in slab_files(self.root):
+            try:
+                slab = SlabFile(path, nbytes)
+            except OSError as exc:
+                logger.warning("disk tier: skipping %s: %s", path, exc)
                 continue
-            for path in sorted(folder.iterdir()):
-                nbytes = payload_size_of(path)
-                if nbytes is not None and path.is_file() and not path.is_symlink():
-                    self._recover(folder.name, path, nbytes)
+            self._recover(namespace, slab)
         self._punch(self._spill())
         if self._index:
             logger.info(
@@ -275,10 +315,11 @@ class DiskTier(Tier):
                 self._used_bytes,
             )
 
-    def _recover(self, namespace: str, path: Path, nbytes: int) -> None:
+    def _recover(self, namespace: str, slab: SlabFile) -> None:
         """Index one slab file's chunks; a slot whose header is not a well-formed chunk of
         this namespace and size is counted and freed, a torn or free tail cut off."""
-        slab = self._slabs[(namespace, nbytes)] = SlabFile(path, nbytes)
+        path, nbytes = slab.path, slab.nbytes
+        self._slabs[(namespace, nbytes)] = slab
         in_use = [False] * slab.n_slots
         for slot in range(slab.n_slots):
             raw = slab.read_header(slot)
@@ -300,27 +341,12 @@ class DiskTier(Tier):
             self._index[shard_id] = _Placed(slab, slot, meta)
             self._used_bytes += nbytes
         end = max((slot + 1 for slot, used in enumerate(in_use) if used), default=0)
-        if end * slab.slot_bytes != path.stat().st_size:
+        if end * slab.slot_bytes != os.fstat(slab.fd).st_size:
             slab.truncate_to(end)
         for slot in range(end):
             if not in_use[slot]:
                 slab.hold(slot)  # perhaps allocated: counted until punched or reused
                 self._held_bytes += nbytes
-
-
-def _remove_legacy_files(root: Path) -> None:
-    """Before slab files, each chunk had its own file (``<ns>/<xx>/<digest>.chunk``) and
-    freed ones waited in ``.free/``. A cache may drop them: they are removed, once."""
-    legacy = [p for p in root.glob("*/??/*") if p.suffix in (".chunk", ".tmp")]
-    for path in legacy:
-        path.unlink(missing_ok=True)
-    for folder in root.glob("*/??"):
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-    if (root / ".free").is_dir():
-        shutil.rmtree(root / ".free", ignore_errors=True)
-    if legacy:
-        logger.warning("disk tier %s: removed %d chunk files of the old layout", root, len(legacy))
 
 
 @dataclass(frozen=True)
@@ -333,15 +359,20 @@ class ChunkRecord:
     def payload_ok(self) -> bool:
         """Whether the payload on disk now matches the header's digest."""
         data = np.empty(self.location.nbytes, dtype=np.uint8)
-        with open(self.location.path, "rb") as f:
+        with _open(self.location.path) as f:
             f.seek(self.location.payload_offset)
             got = f.readinto(memoryview(data).cast("B"))
         return got == data.nbytes and digest(data) == self.header.get("digest")
 
 
+def _open(path: Path) -> io.BufferedReader:
+    """A slab file for reading, never through a symlink."""
+    return os.fdopen(open_file(path), "rb")
+
+
 def read_record(location: ChunkLocation) -> ChunkRecord | None:
     """The record whose payload is at ``location``, or None if its header does not decode."""
-    with open(location.path, "rb") as f:
+    with _open(location.path) as f:
         return _record_at(f, location)
 
 
@@ -353,16 +384,19 @@ def _record_at(f: BinaryIO, location: ChunkLocation) -> ChunkRecord | None:
         return None
 
 
-def chunk_records(root: Path) -> Iterator[ChunkRecord]:
-    """Every slot of the slab files under ``root`` (at any depth: ``node-<id>/`` folders
-    too) whose header decodes: which chunk is where. Payloads are not verified here
-    (:meth:`ChunkRecord.payload_ok` does)."""
-    for path in sorted(root.rglob(f"*{SUFFIX}")):
-        nbytes = payload_size_of(path)
-        if nbytes is None or not path.is_file():
-            continue
+def chunk_records(disk_path: Path) -> Iterator[ChunkRecord]:
+    """Every slot of the slab files in tierstore's folder in ``disk_path`` (its
+    ``node-<id>/`` folders too) whose header decodes: which chunk is where. Payloads are
+    not verified here (:meth:`ChunkRecord.payload_ok` does). Nothing else in
+    ``disk_path`` is read, and no symlink followed."""
+    for root in store_dirs(disk_path):
+        yield from _records_in(root)
+
+
+def _records_in(root: Path) -> Iterator[ChunkRecord]:
+    for _, path, nbytes in slab_files(root):
         slot_bytes = slot_bytes_for(nbytes)
-        with open(path, "rb") as f:  # one open per file, not per slot
+        with _open(path) as f:  # one open per file, not per slot
             for slot in range(os.fstat(f.fileno()).st_size // slot_bytes):
                 where = ChunkLocation(path, slot * slot_bytes + HEADER_ROOM, nbytes)
                 record = _record_at(f, where)

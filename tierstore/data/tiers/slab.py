@@ -30,12 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
+from tierstore.private_files import UnsafePathError, open_private
+
 logger = logging.getLogger(__name__)
 
 PAGE = 4096
 HEADER_ROOM = PAGE  # a chunk's header, zero padded
 SUFFIX = ".slab"
-_FILE_MODE = 0o600
 _CLEARED = bytes(8)  # over a header's magic and length: the slot reads as free
 _ZEROS = memoryview(bytes(PAGE))  # a payload's padding to whole pages
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -72,13 +73,21 @@ def payload_size_of(path: Path) -> int | None:
 
 
 class SlabFile:
-    """The open slab file of one namespace's chunks of ``nbytes`` bytes."""
+    """The open slab file of one namespace's chunks of ``nbytes`` bytes: made 0600 if
+    missing, never opened through a symlink, and refused (:class:`UnsafePathError`, an
+    OSError naming it) unless it is this user's, private and its only link."""
 
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path = path
         self.nbytes = nbytes
         self.slot_bytes = slot_bytes_for(nbytes)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+        self.fd = -1  # for close() should the open fail
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        links = os.fstat(fd).st_nlink
+        if links != 1:  # a hard link planted to another file: never written through
+            os.close(fd)
+            raise UnsafePathError(f"{path} has {links} hard links; tierstore leaves it alone")
+        self.fd = fd
         self.n_slots = os.fstat(self.fd).st_size // self.slot_bytes
         self.held: list[int] = []  # heap: free slots whose disk blocks may be allocated
         self.holes: list[int] = []  # heap: free slots punched out (no blocks)
