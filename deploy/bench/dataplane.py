@@ -32,8 +32,9 @@ from tierstore.deploy.bench.soak_faults import node_store_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from tierstore.config import TierStoreConfig
+from tierstore.control.index_model import LookupAnswer
 from tierstore.data.layout import ChunkLayout
-from tierstore.keys import ChunkKey, Namespace
+from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.spec import connect_worker
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 
@@ -176,6 +177,13 @@ def _loads(jobs: PageJobs, spec: LoadSpec) -> tuple[float, float]:
     return load_s, pinned_s
 
 
+def _held_at(answer: LookupAnswer) -> dict[int, NodeId]:
+    """Where a chunk just stored is held (rank -> node)."""
+    if answer.where is None:
+        raise RuntimeError(f"a chunk just stored is not held: the Evictor answered {answer}")
+    return answer.where
+
+
 def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, Any]:
     jobs = PageJobs(cfg, NS, size)
     evictor = EvictorClient(get_or_create_evictor(cfg))
@@ -201,8 +209,7 @@ def bench_size(cfg: TierStoreConfig, size: int, round_: list[int]) -> dict[str, 
     committed_s = _median_s(store_committed)
     (answer,) = evictor.lookup(NS, [keys[-1]], "bench", 60.0).result()
     stream_s, misses = _store_stream(jobs, cfg.namespace, round_)
-    assert answer.where is not None, "the chunk just stored is not held"
-    spec = LoadSpec.build(NS, [keys[-1]], [answer.where])
+    spec = LoadSpec.build(NS, [keys[-1]], [_held_at(answer)])
     load_s, pinned_s = _loads(jobs, spec)
     data = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
     out = np.empty_like(data)
