@@ -2,11 +2,14 @@
 
 Ray serializes arguments and answers with msgpack first, so a NamedTuple nested in a
 list arrives as a plain tuple, and an enum as its value. The ``*_of`` functions below
-rebuild tierstore's types: clients apply them to answers, actors to arguments.
+rebuild tierstore's types: clients apply them to answers, actors to arguments. What a
+NodeStore sends the Evictor is checked as it is rebuilt (``checked_items``): a malformed
+item is refused, the rest go on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -15,6 +18,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from tierstore.control.events import EventBatch, ResidencyEvent
 from tierstore.control.index import LookupAnswer, LookupState, NodeActions, ShardOffer
+from tierstore.control.index_model import check_held, check_offer
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.errors import (
     ActorUnavailableError,
@@ -22,9 +26,12 @@ from tierstore.errors import (
     RemoteCallTimeout,
     TierStoreError,
 )
+from tierstore.fields import MalformedField, check_shard_id, items
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 
 def mapped_error(exc: BaseException, what: str, timeout_s: float | None = None) -> BaseException:
@@ -94,12 +101,37 @@ def shard_ids_of(values: Iterable[Iterable[Any]]) -> list[ShardId]:
     return [shard_id_of(v) for v in values]
 
 
-def offers_of(values: Iterable[Iterable[Any]]) -> list[ShardOffer]:
-    return [ShardOffer(*v) for v in values]
+# ---- checking what a NodeStore sends the Evictor ---------------------------------------------
+MAX_ITEMS = 1 << 32  # of one message's list (a node's whole inventory, at restore)
 
 
-def held_of(values: Iterable[Iterable[Any]]) -> list[tuple[ShardOffer, TierName]]:
-    return [(ShardOffer(*offer), TierName(tier)) for offer, tier in values]
+def checked_items(values: object, check: Callable[[object], T], what: str) -> list[T | None]:
+    """Each item of a message's list rebuilt by ``check`` (it raises MalformedField on a
+    malformed one); None for each one refused, logged at WARNING with the field and
+    value. Raises MalformedField if ``values`` is not a list."""
+    checked: list[T | None] = []
+    for i, value in enumerate(items(what, values, MAX_ITEMS)):
+        try:
+            checked.append(check(value))
+        except MalformedField as exc:
+            logger.warning("refused %s %d: %s", what, i, exc)
+            checked.append(None)
+    return checked
+
+
+def offers_of(values: object) -> list[ShardOffer | None]:
+    """``admit``'s offers, checked (:func:`~tierstore.control.index_model.check_offer`)."""
+    return checked_items(values, check_offer, "offer")
+
+
+def held_of(values: object) -> list[tuple[ShardOffer, TierName] | None]:
+    """``restore``'s copies, checked (:func:`~tierstore.control.index_model.check_held`)."""
+    return checked_items(values, check_held, "held copy")
+
+
+def checked_shard_ids(values: object) -> list[ShardId | None]:
+    """ShardIds a NodeStore reports, checked (:func:`tierstore.fields.check_shard_id`)."""
+    return checked_items(values, check_shard_id, "shard id")
 
 
 def node_actions_of(actions: NodeActions) -> NodeActions:

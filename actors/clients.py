@@ -220,9 +220,9 @@ class NodeStoreClient:
         namespace: Namespace,
         rank: int,
         world_size: int,
-        entries: list[ShardEntry],
-    ) -> Pending[tuple[int, str, list[int | None]]]:
-        return self._call("arena_commit", holder, epoch, namespace, rank, world_size, entries)
+        jobs: list[list[ShardEntry]],
+    ) -> Pending[tuple[int, str, list[int | None], list[tuple[int, str]]]]:
+        return self._call("arena_commit", holder, epoch, namespace, rank, world_size, jobs)
 
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:
         return self._call("arena_give_back", holder, epoch, offsets)

@@ -14,9 +14,10 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import ray
-from tierstore.actors.calls import held_of, offers_of, shard_ids_of
+from tierstore.actors.calls import checked_shard_ids, held_of, offers_of, shard_ids_of
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
@@ -30,9 +31,12 @@ from tierstore.control.index import (
     ShardOffer,
     Watermarks,
 )
+from tierstore.control.index_model import held_shard
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # How often the Evictor reconciles NodeStores with Ray's alive nodes. Ray itself marks
 # a lost node dead after ~14 s of failed health checks, so polling faster gains little.
@@ -142,28 +146,35 @@ class Evictor:
         self._index.register_node(node, cpu_bytes, disk_bytes)
 
     def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
-        shard_offers = offers_of(offers)
+        """A malformed offer is refused (counted), never indexed; the rest go on."""
+        checked = self._checked(offers_of(offers))
+        shard_offers = [o for o in checked if o is not None]
         result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
         admitted = [_shard_of(o) for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
         self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
-        return result.accepted, self._send(result.actions, keep=NodeId(node_id))
+        return _spread(checked, result.accepted), self._send(result.actions, keep=NodeId(node_id))
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
     ) -> tuple[list[bool], NodeActions]:
-        shards = held_of(held)
+        """A malformed copy is refused (counted), never indexed, and dropped where it
+        names a shard: the node's tier would hold bytes the index does not count."""
+        node = NodeId(node_id)
+        checked = self._checked(held_of(held))
+        shards = [h for h in checked if h is not None]
         accepted, actions = self._index.restore(
-            NodeId(node_id),
+            node,
             shards,
             now=time.monotonic(),
             grace_s=self._cfg.lease_ttl_s if grace else 0.0,
         )
-        self._events.record_held(
-            NodeId(node_id),
-            False,
-            [(_shard_of(o), t) for (o, t), ok in zip(shards, accepted, strict=True) if ok],
-        )
-        return accepted, self._send(actions, keep=NodeId(node_id))
+        kept = [(_shard_of(o), t) for (o, t), ok in zip(shards, accepted, strict=True) if ok]
+        self._events.record_held(node, False, kept)
+        own = self._send(actions, keep=node)
+        indexed = {shard_id for shard_id, _ in kept}
+        refused = (held_shard(h) for h, c in zip(held, checked, strict=True) if c is None)
+        own.drop += [s for s in refused if s is not None and s not in indexed]
+        return _spread(checked, accepted), own
 
     def lookup(
         self,
@@ -188,16 +199,17 @@ class Evictor:
     def promoted(
         self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
     ) -> None:
-        self._events.record(NodeId(node_id), TierName.CPU, False, _ids(done))
-        node = NodeId(node_id)
-        self._send(self._index.promoted(node, _ids(done), _ids(failed), _ids(refused)))
+        done, failed, refused = (self._checked_ids(ids) for ids in (done, failed, refused))
+        self._events.record(NodeId(node_id), TierName.CPU, False, done)
+        self._send(self._index.promoted(NodeId(node_id), done, failed, refused))
 
     def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> None:
-        self._record_removed(NodeId(node_id), _ids(shard_ids))
-        self._send(self._index.forget_shards(_ids(shard_ids)))
+        ids = self._checked_ids(shard_ids)
+        self._record_removed(NodeId(node_id), ids)
+        self._send(self._index.forget_shards(ids))
 
     def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> None:
-        self._send(self._index.report_corrupt_after_hit(_ids(shard_ids)))
+        self._send(self._index.report_corrupt_after_hit(self._checked_ids(shard_ids)))
 
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
@@ -227,8 +239,9 @@ class Evictor:
     def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> None:
         """A NodeStore received replica shards (``done``) or could not (``failed``)."""
         node = NodeId(node_id)
-        self._events.record(node, TierName.CPU, False, _ids(done))
-        self._send(self._index.replicated(node, _ids(done), _ids(failed)))
+        done, failed = self._checked_ids(done), self._checked_ids(failed)
+        self._events.record(node, TierName.CPU, False, done)
+        self._send(self._index.replicated(node, done, failed))
 
     def report_failed_stores(self, n_jobs: int) -> None:
         """A worker lost store jobs (vLLM has no failure path, so only this counts them)."""
@@ -274,6 +287,16 @@ class Evictor:
             "reconciles": {"done": self._reconciles, "failed": self._reconcile_failures},
         }
 
+    def _checked(self, items: list[T | None]) -> list[T | None]:
+        """Items of a NodeStore's message as :mod:`tierstore.actors.calls` checked them
+        (None: malformed, refused and logged there), the refused counted."""
+        self._index.stats.malformed_items += items.count(None)
+        return items
+
+    def _checked_ids(self, values: list[ShardId]) -> list[ShardId]:
+        """ShardIds a NodeStore reports, checked: a malformed one is refused (counted)."""
+        return [s for s in self._checked(checked_shard_ids(values)) if s is not None]
+
     def _send(self, actions: Actions, keep: NodeId | None = None) -> NodeActions:
         """Send each node its actions, one-way; return (not send) those of ``keep``."""
         own = NodeActions()
@@ -301,6 +324,13 @@ class Evictor:
     def _record_removed(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         for tier in TierName:  # a consumer ignores the removal of a copy it never saw
             self._events.record(node, tier, True, shard_ids)
+
+
+def _spread(checked: list[T | None], answers: list[bool]) -> list[bool]:
+    """One answer per item of a message: ``answers`` for its well-formed ones, in order,
+    False for each refused (None) one."""
+    given = iter(answers)
+    return [item is not None and next(given) for item in checked]
 
 
 def _shard_of(offer: ShardOffer) -> ShardId:

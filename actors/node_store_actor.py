@@ -245,15 +245,15 @@ class NodeStore:
         # The ref comes wrapped in a list so Ray hands it over unresolved; get it here,
         # zero-copy, and let the core copy out what it keeps.
         buffer = ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S)
-        shards = [ShardEntry(*e) for e in entries]
+        # Entries arrive as plain tuples: the store checks and rebuilds each one.
         try:
-            return self._core.store(namespace, rank, world_size, shards, buffer)
+            return self._core.store(namespace, rank, world_size, entries, buffer)
         except UnknownNodeError:
             # The Evictor restarted and has not reconciled yet: register this node and
             # offer what it holds (as the reconcile would), then admit the new shards.
             logger.info("Evictor does not know node %s yet; registering", self._node_id)
             self.reregister()
-            return self._core.store(namespace, rank, world_size, shards, buffer)
+            return self._core.store(namespace, rank, world_size, entries, buffer)
 
     @_DATA
     def load(
@@ -312,14 +312,14 @@ class NodeStore:
         namespace: Namespace,
         rank: int,
         world_size: int,
-        entries: list[ShardEntry],
-    ) -> tuple[int, str, list[int | None]]:
-        shards = [ShardEntry(*e) for e in entries]
+        jobs: list[list[ShardEntry]],
+    ) -> tuple[int, str, list[int | None], list[tuple[int, str]]]:
+        # Entries arrive as plain tuples: the commit checks and rebuilds each one.
         try:
-            return self._arena.commit(holder, epoch, namespace, rank, world_size, shards)
+            return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
         except UnknownNodeError:  # as in store(): the Evictor restarted
             self.reregister()
-            return self._arena.commit(holder, epoch, namespace, rank, world_size, shards)
+            return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
 
     @_DATA
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:

@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
+from tierstore import fields
+from tierstore.fields import (
+    MAX_SHARD_BYTES,
+    MalformedField,
+    check_shard_id,
+    chunk_key,
+    integer,
+    parent_key,
+    rank_in,
+    row,
+)
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
@@ -38,6 +49,40 @@ class ShardOffer(NamedTuple):
     world_size: int
     nbytes: int
     parent: bytes | None = None
+
+
+def check_offer(value: object, field: str = "offer") -> ShardOffer:
+    """An offer from a NodeStore (a ShardOffer, or the tuple msgpack made of one), every
+    field's type and range checked, rebuilt. Raises MalformedField naming the field."""
+    namespace, key, rank, world_size, nbytes, *parent = row(field, value, 5, 6)
+    checked_key = chunk_key(f"{field}.key", key)
+    rank, world_size = rank_in(field, rank, world_size)
+    return ShardOffer(
+        fields.namespace(f"{field}.namespace", namespace),
+        checked_key,
+        rank,
+        world_size,
+        integer(f"{field}.nbytes", nbytes, 1, MAX_SHARD_BYTES),
+        parent_key(f"{field}.parent", parent[0] if parent else None, checked_key),
+    )
+
+
+def check_held(value: object, field: str = "held") -> tuple[ShardOffer, TierName]:
+    """A copy a NodeStore offers at restore: ``(offer, tier)``, checked."""
+    offer, tier = row(field, value, 2, 2)
+    if not isinstance(tier, str) or tier not in {t.value for t in TierName}:
+        raise MalformedField(f"{field}.tier", tier, "not a tier")
+    return check_offer(offer, f"{field}.offer"), TierName(tier)
+
+
+def held_shard(value: object) -> ShardId | None:
+    """The shard a malformed held copy names, if that much of it is readable (the node
+    is told to drop its copy: the index will not count it), else None."""
+    try:
+        offer = row("held", value, 2, 2)[0]
+        return check_shard_id(row("held.offer", offer, 5, 6)[:3])
+    except MalformedField:
+        return None
 
 
 class LookupState(str, Enum):
@@ -161,6 +206,7 @@ class IndexStats:
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore
     corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
     corrupt_after_hit: int = 0  # failed verification on load: the request recomputes
+    malformed_items: int = 0  # offers and shard ids from NodeStores refused unread
 
 
 @dataclass(frozen=True)

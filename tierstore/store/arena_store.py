@@ -19,10 +19,18 @@ from tierstore.data.arena.region import RegionInfo
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.base import ShardMeta, StoredShard
 from tierstore.errors import TierStoreError
+from tierstore.fields import holder_id
 from tierstore.keys import ChunkKey, Namespace, ShardId
+from tierstore.store.shard_entry import (
+    MalformedField,
+    ShardEntry,
+    check_job,
+    check_origin,
+    job_lists,
+)
 
 if TYPE_CHECKING:
-    from tierstore.store.node_store import NodeStoreCore, ShardEntry
+    from tierstore.store.node_store import NodeStoreCore
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +71,78 @@ class ArenaStore:
         namespace: Namespace,
         rank: int,
         world_size: int,
-        entries: list[ShardEntry],
-    ) -> tuple[int, str, list[int | None]]:
+        jobs: list[list[ShardEntry]],
+    ) -> tuple[int, str, list[int | None], list[tuple[int, str]]]:
         """Adopt what the Evictor admits of ``holder``'s filled extents (verified, no
-        copy); the rest go back to the arena. Returns (shards held, current epoch, fresh
-        extents granted to ``holder`` in their place: one per entry, None where the
-        arena is full), so a worker's pool refills with no call of its own."""
+        copy); the rest go back to the arena. ``jobs``: the entries of each of the
+        worker's store jobs, in order.
+
+        Every entry is checked first (:mod:`tierstore.store.shard_entry`): a job with a
+        malformed one is refused whole, counted and logged, and nothing is changed for
+        it (its extents stay granted: the worker gives them back); the other jobs go on.
+        A malformed call (holder, namespace, rank, the list of jobs) raises
+        RefusedCommit, nothing changed. Returns (shards held, current epoch, fresh
+        extents granted to ``holder`` in their place: one per entry, in order, None
+        where the arena is full or the job was refused, so a worker's pool refills with
+        no call of its own; the refused jobs: (index, why))."""
+        core = self._core
+        try:
+            holder = holder_id("holder", holder)
+            namespace, rank, world_size = check_origin(namespace, rank, world_size)
+            lists = job_lists(jobs)
+        except MalformedField as exc:
+            raise core.refused(exc, "commit") from None
+        sizes = [len(job) for job in lists]
         if epoch != self.epoch:
-            return 0, self.epoch, [None] * len(entries)
+            return 0, self.epoch, [None] * sum(sizes), []
+        checked = self._check_jobs(holder, lists)
+        good = [e for job in checked if not isinstance(job, MalformedField) for e in job]
+        kept = self._keep(holder, namespace, rank, world_size, good) if good else 0
+        refused = [
+            (i, str(core.refused(job, f"commit of job {i} from {holder}")))
+            for i, job in enumerate(checked)
+            if isinstance(job, MalformedField)
+        ]
+        fresh = iter(self._regrant(holder, [e.nbytes for e in good]))
+        granted = [
+            None if isinstance(job, MalformedField) else next(fresh)
+            for job, n in zip(checked, sizes, strict=True)
+            for _ in range(n)
+        ]
+        return kept, self.epoch, granted, refused
+
+    def _check_jobs(
+        self, holder: str, jobs: list[list[object]]
+    ) -> list[list[ShardEntry] | MalformedField]:
+        """Each job's entries checked, or why it is refused: each in an extent granted to
+        ``holder`` and claimed by no earlier job of the call."""
+        granted = self.tier.grant_room(holder)
+        claimed: set[int] = set()
+
+        def room_at(offset: int) -> int | None:
+            return None if offset in claimed else granted(offset)
+
+        checked: list[list[ShardEntry] | MalformedField] = []
+        for i, entries in enumerate(jobs):
+            try:
+                job = check_job(entries, room_at, f"job[{i}]")
+            except MalformedField as exc:
+                checked.append(exc)
+            else:
+                checked.append(job)
+                claimed.update(e.offset for e in job)
+        return checked
+
+    def _keep(
+        self,
+        holder: str,
+        namespace: Namespace,
+        rank: int,
+        world_size: int,
+        entries: list[ShardEntry],
+    ) -> int:
+        """Checked entries: adopt (or write to disk) what the Evictor admits, give the
+        rest back; returns the shards held."""
         core = self._core
         accepted, to_disk, persist = core.admit(namespace, rank, world_size, entries)
         kept = 0
@@ -92,7 +164,7 @@ class ArenaStore:
             kept += 1
             core._count(stored_shards=1, stored_bytes=entry.nbytes)
         core.settle_store(lost, persist)
-        return kept, self.epoch, self._regrant(holder, [e.nbytes for e in entries])
+        return kept
 
     def _regrant(self, holder: str, sizes: list[int]) -> list[int | None]:
         """Fresh extents for a holder that just committed (so it is alive); what dead

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -41,6 +41,14 @@ from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullErro
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.ports import EvictorPort, PeerPort
 from tierstore.store.replicas import Replicas, shard_id_of
+from tierstore.store.shard_entry import (
+    MalformedField,
+    RefusedCommit,
+    ShardEntry,
+    buffer_room,
+    check_job,
+    check_origin,
+)
 from tierstore.store.stats import NodeStoreStats, tier_status
 
 __all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardEntry"]
@@ -56,17 +64,6 @@ class Promotion(Enum):
     DONE = "done"
     FAILED = "failed"  # missing or corrupt: the unit is dropped
     REFUSED = "refused"  # no extent free: the disk copy stays, read from there
-
-
-class ShardEntry(NamedTuple):
-    """Where one shard sits in a job buffer, as the worker packed it."""
-
-    key: ChunkKey
-    offset: int
-    nbytes: int
-    digest: int
-    slot_mask: int
-    parent: bytes | None = None
 
 
 @dataclass
@@ -126,13 +123,13 @@ class NodeStoreCore(Replicas):
         """Keep what the Evictor admits; returns the number of shards now held.
 
         Control thread. Blocks on the Evictor's ``admit`` (its deadline) with no lock
-        held, so loads go on meanwhile."""
-        for entry in entries:
-            if entry.offset < 0 or entry.offset + entry.nbytes > buffer.nbytes:
-                raise ValueError(
-                    f"shard at [{entry.offset}, {entry.offset + entry.nbytes}) lies outside "
-                    f"the {buffer.nbytes}-byte job buffer"
-                )
+        held, so loads go on meanwhile. A malformed entry (see
+        :mod:`tierstore.store.shard_entry`) refuses the job: RefusedCommit, nothing changed."""
+        try:
+            namespace, rank, world_size = check_origin(namespace, rank, world_size)
+            entries = check_job(entries, buffer_room(buffer))
+        except MalformedField as exc:
+            raise self.refused(exc) from None
         accepted, to_disk, persist = self.admit(namespace, rank, world_size, entries)
         kept = 0
         lost: list[ShardId] = []
@@ -157,6 +154,12 @@ class NodeStoreCore(Replicas):
             self._count(stored_shards=1, stored_bytes=entry.nbytes)
         self.settle_store(lost, persist)
         return kept
+
+    def refused(self, error: MalformedField, what: str = "store job") -> RefusedCommit:
+        """Count and log a store job refused for ``error``; the error its worker gets."""
+        self._count(refused_commits=1)
+        logger.warning("refused a %s: %s", what, error)
+        return RefusedCommit(f"{what} refused by node {self.node_id}: {error}")
 
     def admit(
         self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]

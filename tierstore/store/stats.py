@@ -26,6 +26,7 @@ class NodeStoreStats:
     corrupt_on_store: int = 0
     corrupt_before_hit: int = 0
     corrupt_after_hit: int = 0
+    refused_commits: int = 0  # store jobs refused whole: a malformed field (shard_entry)
 
 
 def tier_status(tier: Tier | None) -> dict[str, int]:

@@ -40,6 +40,7 @@ from tierstore.data.layout import JobPlan
 from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId, ShardId
 from tierstore.store.node_store import ShardEntry
+from tierstore.store.shard_entry import RefusedCommit
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
@@ -211,9 +212,11 @@ class ArenaJobs:
 
     def commit(self, batch: list[Commit]) -> tuple[list[Commit], list[tuple[Commit, Exception]]]:
         """Commit thread: hand filled extents to the NodeStore with their digests (hashed
-        here, off the model-runner thread), one call per arena and namespace.
-        Returns the commits its new arena did not adopt (it restarted: send
-        :meth:`job_bytes` instead) and those whose call failed (extents given back)."""
+        here, off the model-runner thread), one call per arena and namespace, each job's
+        entries apart (the NodeStore refuses a job whole, see
+        :mod:`tierstore.store.shard_entry`). Returns the commits its new arena did not
+        adopt (it restarted: send :meth:`job_bytes` instead) and those that failed: the
+        call, or the NodeStore refused the job (extents given back)."""
         stale: list[Commit] = []
         failed: list[tuple[Commit, Exception]] = []
         groups: dict[tuple[int, str], list[Commit]] = {}
@@ -221,15 +224,19 @@ class ArenaJobs:
             groups.setdefault((id(c.filled.arena), c.spec.namespace), []).append(c)
         for group in groups.values():
             arena = group[0].filled.arena
-            entries = [entry for c in group for entry in self._entries(c)]
+            jobs = [self._entries(c) for c in group]
             namespace = group[0].spec.namespace
             try:
-                kept = arena.commit(namespace, self._rank, self._world_size, entries)
+                answer = arena.commit(namespace, self._rank, self._world_size, jobs)
             except Exception as exc:
                 failed += [(c, exc) for c in group]
                 continue
-            if kept is None:
+            if answer is None:
                 stale += group
+                continue
+            # A job the NodeStore refused (a malformed entry): a failed store, never
+            # a stored one; its extents went back to the arena.
+            failed += [(group[i], RefusedCommit(why)) for i, why in answer[1].items()]
         return stale, failed
 
     @staticmethod

@@ -57,8 +57,8 @@ class ArenaCalls(Protocol):
         namespace: Namespace,
         rank: int,
         world_size: int,
-        entries: list[ShardEntry],
-    ) -> Reply[tuple[int, str, list[int | None]]]: ...
+        jobs: list[list[ShardEntry]],
+    ) -> Reply[tuple[int, str, list[int | None], list[tuple[int, str]]]]: ...
 
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Reply[None]: ...
 
@@ -144,17 +144,20 @@ class WorkerArena:
             self.refill()
 
     def commit(
-        self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
-    ) -> int | None:
-        """Transfer thread: hand filled extents to the NodeStore; returns shards kept, or
-        None if it has a new arena (restarted) and adopted nothing. On failure the
-        extents are given back (those it adopted are no longer granted, so giving them
-        back frees nothing of theirs). The answer's fresh extents go to the pool."""
+        self, namespace: Namespace, rank: int, world_size: int, jobs: list[list[ShardEntry]]
+    ) -> tuple[int, dict[int, str]] | None:
+        """Transfer thread: hand filled extents, the entries of each store job, to the
+        NodeStore; returns (shards kept, the jobs it refused: index -> why), or None if
+        it has a new arena (restarted) and adopted nothing. A refused job's extents, and
+        on failure every one, are given back (those it adopted are no longer granted, so
+        giving them back frees nothing of theirs). The answer's fresh extents go to the
+        pool."""
         epoch = self.epoch
+        entries = [e for job in jobs for e in job]
         try:
-            kept, current, granted = (
+            kept, current, granted, refused = (
                 self._calls()
-                .arena_commit(self.holder, epoch, namespace, rank, world_size, entries)
+                .arena_commit(self.holder, epoch, namespace, rank, world_size, jobs)
                 .result(self._timeout_s)
             )
         except Exception:
@@ -163,9 +166,11 @@ class WorkerArena:
         if current != epoch:
             self.stale = True  # nothing was adopted: those extents are not that arena's
             return None
+        why = {int(i): str(reason) for i, reason in refused}
+        self.give_back([e.offset for i, job in enumerate(jobs) if i in why for e in job], epoch)
         extra = self.pool.replenish([e.nbytes for e in entries], granted, current)
         self.give_back(extra, current)
-        return int(kept)
+        return int(kept), why
 
     def give_back(self, offsets: list[int], epoch: str | None = None) -> None:
         if offsets:

@@ -28,6 +28,12 @@ both reads are the same even value (x86-64 keeps stores, and loads, in program o
 elsewhere :data:`~tierstore.data.arena.generations.UNPINNED_READS` is False and nothing
 reads it).
 
+Any process that maps the arena can write its words, so a reader trusts none of them
+until they name an extent of this arena (``_decode``): offset aligned and inside the
+extents, length inside from there, a slot word :func:`_encode_slots` could write. Any
+other entry is a miss (counted in ``malformed``), and the load pins: never a read
+outside an extent.
+
 Pure numpy: the NodeStore and the workers each wrap their own mapping of the region.
 """
 
@@ -39,8 +45,10 @@ from typing import NamedTuple
 import numpy as np
 import xxhash
 
+from tierstore.data.arena.allocator import DEFAULT_ALIGN
 from tierstore.data.arena.generations import Generations
 from tierstore.data.tiers.base import ShardMeta
+from tierstore.fields import MAX_SLOTS
 from tierstore.keys import ShardId
 
 MAX_DIRECTORY_BYTES = 1 << 28  # 4M entries: 256 MiB of an arena of 64 GiB or more
@@ -71,14 +79,19 @@ class Located(NamedTuple):
 
 
 def _encode_slots(slot_mask: int) -> int | None:
-    if slot_mask < _ALL_SLOTS:
+    if 0 <= slot_mask < _ALL_SLOTS:
         return slot_mask
     width = slot_mask.bit_length()
-    return _ALL_SLOTS | width if slot_mask == (1 << width) - 1 else None
+    full = slot_mask == (1 << width) - 1 and width <= MAX_SLOTS
+    return _ALL_SLOTS | width if full else None
 
 
-def _decode_slots(word: int) -> int:
-    return (1 << (word & ~_ALL_SLOTS)) - 1 if word & _ALL_SLOTS else word
+def _decode_slots(word: int) -> int | None:
+    """The slot mask of a word, None if it is not one :func:`_encode_slots` writes."""
+    if not word & _ALL_SLOTS:
+        return word
+    width = word & ~_ALL_SLOTS
+    return (1 << width) - 1 if _ALL_SLOTS.bit_length() <= width <= MAX_SLOTS else None
 
 
 def _hash(shard_id: ShardId) -> tuple[int, int]:
@@ -92,7 +105,12 @@ class ShardDirectory:
     before the generations table). ``generations``: the arena's table, which tells the
     writer a stale entry (its extent freed since) from a live one."""
 
-    def __init__(self, region: np.ndarray, generations: Generations | None = None) -> None:
+    def __init__(
+        self,
+        region: np.ndarray,
+        generations: Generations | None = None,
+        align: int = DEFAULT_ALIGN,
+    ) -> None:
         self.nbytes = directory_bytes(len(region))
         self.extents_bytes = len(region) - self.nbytes  # the region before the directory
         start = self.extents_bytes
@@ -100,19 +118,33 @@ class ShardDirectory:
         self._mask = len(self._entries) // _WAYS - 1  # buckets - 1
         self._words = memoryview(self._entries.reshape(-1))  # uint64 words, read as ints
         self._generations = generations
+        self._align = align  # the allocator's: every extent starts at a multiple of it
+        self.malformed = 0  # entries found whose words named no extent (a miss each)
 
     def record(self, shard_id: ShardId, offset: int, meta: ShardMeta, generation: int) -> None:
         """NodeStore, under its tier's lock (one writer at a time): ``shard_id`` is held
         at ``offset``, whose generation is ``generation`` while it holds it."""
         slots = _encode_slots(meta.slot_mask)
-        if slots is None:
-            return  # a partial chunk of more than 63 slots: its loads pin
+        if slots is None or not self._fits(offset, meta.nbytes, meta.digest, generation):
+            return  # a partial chunk of more than 63 slots (or not a shard): its loads pin
         hi, lo = _hash(shard_id)
         entry = self._entries[self._way_for(hi, lo)]
         entry[_SEQ] += np.uint64(1)  # odd: being written
         fields = (hi, lo, offset, meta.nbytes, meta.digest, slots, generation)
         entry[_HASH_HI:] = np.array(fields, dtype=np.uint64)
         entry[_SEQ] += np.uint64(1)  # even: whole again
+
+    def _fits(self, offset: int, nbytes: int, digest: int, generation: int) -> bool:
+        """Whether an entry's fields name an extent of this arena and fit their words:
+        what the NodeStore writes, and what a reader trusts (any other word pointed
+        outside the extents, or was never written by a NodeStore)."""
+        return (
+            0 <= offset < self.extents_bytes
+            and offset % self._align == 0
+            and 0 < nbytes <= self.extents_bytes - offset
+            and 0 <= digest <= _LOW_64
+            and 0 <= generation <= _LOW_64
+        )
 
     def _way_for(self, hi: int, lo: int) -> int:
         """The entry a shard of hash ``(hi, lo)`` takes in its bucket: its own, an empty
@@ -161,14 +193,28 @@ class ShardDirectory:
             row = words[at : at + _WORDS].tolist()
             if seq & 1 or words[at] != seq or row[_HASH_HI] != hi:
                 return None  # being written, or another shard's: not trusted
-            meta = ShardMeta(row[_NBYTES], row[_DIGEST], _decode_slots(row[_SLOTS]))
-            return Located(row[_OFFSET], meta, row[_GENERATION])
+            return self._decode(row)
         return None
 
+    def _decode(self, row: list[int]) -> Located | None:
+        """The one place a worker turns an entry's words into an extent to read: words
+        that name no extent of this arena (any process mapping it can write them) are a
+        miss, counted in :attr:`malformed`; the load pins through the NodeStore."""
+        offset, nbytes, digest = row[_OFFSET], row[_NBYTES], row[_DIGEST]
+        slots = _decode_slots(row[_SLOTS])
+        if slots is None or not self._fits(offset, nbytes, digest, row[_GENERATION]):
+            self.malformed += 1
+            return None
+        return Located(offset, ShardMeta(nbytes, digest, slots), row[_GENERATION])
 
-def arena_tables(array: np.ndarray) -> tuple[Generations, ShardDirectory]:
+
+def arena_tables(
+    array: np.ndarray, align: int = DEFAULT_ALIGN
+) -> tuple[Generations, ShardDirectory]:
     """The tables at the end of an arena mapping (``array``: all of it), generations last
     and the directory before them: the one layout the NodeStore and its workers share.
-    The extents are ``array[: directory.extents_bytes]``."""
+    The extents are ``array[: directory.extents_bytes]``, each at a multiple of
+    ``align`` (the allocator's)."""
     generations = Generations(array)
-    return generations, ShardDirectory(array[: generations.extents_bytes], generations)
+    directory = ShardDirectory(array[: generations.extents_bytes], generations, align)
+    return generations, directory

@@ -51,7 +51,7 @@ class ArenaTier(Tier):
         self.region = region
         # Bumped as each extent is freed, and where each shard is: same-node loads, of
         # any worker on the node, read committed extents unpinned.
-        self.generations, self.directory = arena_tables(region.array)
+        self.generations, self.directory = arena_tables(region.array, align)
         self.extents_bytes = self.directory.extents_bytes  # the arena before its tables
         self.allocator = ExtentAllocator(self.extents_bytes, align, on_free=self.generations.bump)
         self.holdings = Holdings(region.info.path)
@@ -200,6 +200,20 @@ class ArenaTier(Tier):
                     self.holdings.grant(holder, offset, nbytes)
                 out.append(offset)
         return out
+
+    def grant_room(self, holder: str) -> Callable[[int], int | None]:
+        """What a commit of ``holder``'s may claim, as ``room_at(offset)``: the bytes of
+        its grant at ``offset`` (within the arena's extents), None if it holds none
+        there. A snapshot: checked again as each extent is adopted."""
+        with self._lock:
+            grants = dict(self.holdings.granted.get(holder, {}))
+        end = self.allocator.capacity
+
+        def room_at(offset: int) -> int | None:
+            granted = grants.get(offset)
+            return None if granted is None else min(granted, end - offset)
+
+        return room_at
 
     def adopt(self, holder: str, shard_id: ShardId, meta: ShardMeta, offset: int) -> bool:
         """Keep the shard ``holder`` wrote into its granted extent at ``offset``, with the
