@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -159,7 +160,9 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
     :data:`~tierstore.config.ACTOR_KEYS` raises
     :class:`~tierstore.config.ConfigMismatchError` naming them."""
     here = ray.get_runtime_context().get_node_id()
-    handle = (
+    # Ray's stubs type .remote() on a class as the class or its handle: it is a handle.
+    handle = cast(
+        "ray.actor.ActorHandle",
         ray.remote(Evictor)
         .options(
             name=EVICTOR_NAME,
@@ -171,7 +174,7 @@ def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
             max_restarts=-1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
         )
-        .remote(cfg)
+        .remote(cfg),
     )
     running = EvictorClient(handle, START_TIMEOUT_S).config().result()
     check_running_config(cfg, running, "the Evictor")
@@ -236,7 +239,7 @@ def shutdown_actors(namespace: str) -> int:
             handle = ray.get_actor(name, namespace=namespace)
         except ValueError:
             continue
-        done = handle.__ray_terminate__.remote()
+        done: ray.ObjectRef = handle.__ray_terminate__.remote()
         ready, _ = ray.wait([done], timeout=_GRACE_S)
         if not ready:
             ray.kill(handle)
