@@ -23,6 +23,7 @@ RAY_FREE = (
     "tierstore.keys",
     "tierstore.config",
     "tierstore.errors",
+    "tierstore.fields",  # checks of what crosses a process boundary
     "tierstore.registry",
     "tierstore.private_files",
 )
