@@ -87,7 +87,7 @@ def test_a_client_without_the_token_is_refused(ray_head: RayHead, tmp_path: Path
         if what != "tierstore status, wrong token":
             assert "REFUSED ConnectionError" in log, log[-4000:]
 
-    # The same client with the session's token joins and runs a task's worth of work.
+    # The same client with the session's token joins, and puts and gets an object.
     rc, log = _finish(_start([sys.executable, "-c", _JOIN, gcs], ray_head.env))
     assert rc == 0 and "JOINED 7" in log, log[-4000:]
 
