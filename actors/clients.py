@@ -95,6 +95,11 @@ class EvictorClient:
     def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> Pending[None]:
         return self._call("report_corrupt_after_hit", node_id, shard_ids)
 
+    def report_disk_writes(
+        self, node_id: str, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> Pending[None]:
+        return self._call("report_disk_writes", node_id, unwritten, failures, writable)
+
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float
     ) -> Pending[None]:

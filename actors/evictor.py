@@ -32,6 +32,7 @@ from tierstore.control.index import (
     Watermarks,
 )
 from tierstore.control.index_model import held_shard
+from tierstore.fields import MalformedField, integer
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
@@ -210,6 +211,26 @@ class Evictor:
 
     def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> None:
         self._send(self._index.report_corrupt_after_hit(self._checked_ids(shard_ids)))
+
+    def report_disk_writes(
+        self, node_id: str, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> None:
+        """A NodeStore's failed or skipped disk writes, and whether its disk takes writes
+        (see ChunkIndex.disk_writes): the memory copies of ``unwritten`` stay. A report
+        whose count or flag is malformed is refused whole (counted)."""
+        try:
+            failed = integer("failures", failures, 0, 1 << 32)
+            if not isinstance(writable, bool):
+                raise MalformedField("writable", writable, "not a bool")
+        except MalformedField as exc:
+            logger.warning("refused a disk write report from node %s: %s", node_id, exc)
+            self._index.stats.malformed_items += 1
+            return
+        node = NodeId(node_id)
+        ids = self._checked_ids(unwritten)
+        self._events.record(
+            node, TierName.DISK, True, self._index.disk_writes(node, ids, failed, writable)
+        )
 
     def extend_leases(
         self, namespace: Namespace, keys: list[ChunkKey], holder: str, ttl_s: float

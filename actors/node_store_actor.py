@@ -121,6 +121,11 @@ class RayEvictorPort:
     def report_corrupt_after_hit(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
         self._evictor.report_corrupt_after_hit(node_id, shard_ids)
 
+    def report_disk_writes(
+        self, node_id: NodeId, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> None:
+        self._evictor.report_disk_writes(node_id, unwritten, failures, writable)
+
     def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
         self._evictor.replicated(node_id, done, failed)
 

@@ -72,9 +72,10 @@ def collect_status(namespace: str) -> dict[str, Any]:
     # Corruption is detected where the bytes are. Neither count is whole: the NodeStores
     # alive now include files rejected while re-indexing their disks (never reported to
     # the Evictor) but not what a NodeStore that since restarted found; the Evictor's
-    # total keeps those. Report the larger, a lower bound on what was detected.
-    for counter in ("corrupt_before_hit", "corrupt_after_hit"):
-        found_by_nodes = sum(node["stats"][counter] for node in nodes)
+    # total keeps those. Report the larger, a lower bound on what was detected. Failed
+    # disk writes likewise: the NodeStores' reports of the last ones may be on their way.
+    for counter in ("corrupt_before_hit", "corrupt_after_hit", "disk_write_failures"):
+        found_by_nodes = sum(node["stats"].get(counter, 0) for node in nodes)
         stats[counter] = max(stats.get(counter, 0), found_by_nodes)
     return {
         "nodes": nodes,
@@ -94,8 +95,23 @@ def _rate(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f} %" if whole else "n/a"
 
 
+def _disk_note(node: dict[str, Any]) -> str:
+    """The end of a node's disk row: a degraded disk tier (a write failed: the shards stay
+    in memory only until a retry), and its failed and skipped writes."""
+    stats, disk = node["stats"], node["disk"]
+    failed, skipped = stats.get("disk_write_failures", 0), stats.get("disk_writes_skipped", 0)
+    counts = f"writes: {failed} failed, {skipped} skipped" if failed or skipped else ""
+    if not disk.get("degraded"):
+        return f" {counts}" if counts else ""
+    return (
+        f" DEGRADED for {disk['degraded_s']:.0f} s: {disk['error']}; retry in "
+        f"{disk['retry_in_s']:.0f} s; {counts}"
+    )
+
+
 def format_status(status: dict[str, Any]) -> str:
-    """Per node and tier: occupancy; per node: what it stored, served and found corrupt."""
+    """Per node and tier: occupancy; per node: what it stored, served and found corrupt,
+    and a disk tier degraded by failed writes."""
     header = (
         f"{'node':<13} {'tier':<4} {'used':>10} {'capacity':>10} {'chunks':>7} "
         f"{'stores':>7} {'loads':>7} {'corrupt':>7}"
@@ -110,7 +126,7 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(
                 f"{node['node_id'][:12] if tier == 'cpu' else '':<13} {tier:<4} "
                 f"{_fmt_bytes(t['used_bytes']):>10} {_fmt_bytes(t['capacity_bytes']):>10} "
-                f"{t['chunks']:>7} {per_node if tier == 'cpu' else ''}"
+                f"{t['chunks']:>7}" + (f" {per_node}" if tier == "cpu" else _disk_note(node))
             )
     totals = status["totals"]
     lookups = totals["hits"] + totals["misses"]
@@ -126,7 +142,8 @@ def format_status(status: dict[str, Any]) -> str:
         f"a hot chunk's loading node {totals['replicated_chunks']}, skipped "
         f"stores {totals['skipped_stores']}, failed stores {totals['failed_stores']}, corrupt "
         f"{totals['corrupt_before_hit']} before HIT (became misses) / "
-        f"{totals['corrupt_after_hit']} after HIT"
+        f"{totals['corrupt_after_hit']} after HIT, disk writes failed "
+        f"{totals.get('disk_write_failures', 0)}"
     )
     return "\n".join(lines)
 

@@ -79,6 +79,11 @@ class LocalEvictor:
     def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
         self.deliver(self.index.replicated(node, done, failed))
 
+    def report_disk_writes(
+        self, node: NodeId, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> None:
+        self.index.disk_writes(node, unwritten, failures, writable)
+
     # The PeerPort too: replica pushes reach the other core at once.
     def accept_replicas(self, node: NodeId, shards, views) -> None:  # type: ignore[no-untyped-def]
         if node in self.cores:

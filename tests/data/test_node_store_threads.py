@@ -55,6 +55,11 @@ class AdmitAll:
     def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
         pass
 
+    def report_disk_writes(
+        self, node_id: NodeId, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> None:
+        pass
+
 
 class AdmitAllWriteThrough(AdmitAll):
     """Admits every offer and asks for its write-through, as for a node with a disk."""

@@ -105,11 +105,46 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
 
     # ---- nodes -------------------------------------------------------------------------
     def register_node(self, node: NodeId, cpu_bytes: int, disk_bytes: int = 0) -> None:
+        """A NodeStore (re)started: its capacities, its disk taken as writable (the node
+        says otherwise through :meth:`disk_writes`)."""
         tiers = self._nodes.setdefault(
             node, {TierName.CPU: TierAccount(cpu_bytes), TierName.DISK: TierAccount(disk_bytes)}
         )
         tiers[TierName.CPU].capacity_bytes = cpu_bytes
         tiers[TierName.DISK].capacity_bytes = disk_bytes
+        tiers[TierName.DISK].parked_capacity = None
+
+    def disk_writes(
+        self, node: NodeId, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> list[ShardId]:
+        """A node's disk writes went wrong: ``failures`` writes failed, and ``unwritten``
+        shards, which :meth:`admit` counted on disk, have none there (their write-through
+        failed, or was skipped): they lose the disk copy here and keep their memory copy.
+
+        While its disk is not ``writable`` (degraded after a failed write, until a retry
+        is due), the node's disk capacity counts as 0: room is made by dropping rather
+        than demoting, and nothing is written through, as on a node without a disk tier.
+        The disk copies it holds stay indexed and readable. Returns the shards whose
+        disk copy the index forgot."""
+        self.stats.disk_write_failures += failures
+        tiers = self._nodes.get(node)
+        if tiers is None:
+            return []  # the node left meanwhile
+        account = tiers[TierName.DISK]
+        if not writable and account.parked_capacity is None:
+            account.parked_capacity, account.capacity_bytes = account.capacity_bytes, 0
+        elif writable and account.parked_capacity is not None:
+            account.capacity_bytes, account.parked_capacity = account.parked_capacity, None
+        forgotten = []
+        for shard_id in unwritten:
+            shard = self._shard(shard_id.namespace, shard_id.key, shard_id.rank)
+            # Only a memory copy's disk twin: a shard demoted since (no memory copy in
+            # the index) was written by its demotion, or dropped and forgotten with it.
+            if shard is not None and shard.node == node and shard.cpu and shard.disk:
+                uid = UnitId(shard_id.namespace, boundary_of(shard_id.key))
+                self._lose(uid, self._units[uid], shard, TierName.DISK)
+                forgotten.append(shard_id)
+        return forgotten
 
     def restore(
         self,

@@ -188,6 +188,10 @@ class TierAccount:
     capacity_bytes: int
     used_bytes: int = 0
     shards: int = 0
+    # A disk tier that takes no writes (degraded: a write failed, see ChunkIndex.disk_writes)
+    # keeps its capacity here, and ``capacity_bytes`` is 0 until it takes writes again:
+    # nothing is demoted or written through there meanwhile.
+    parked_capacity: int | None = None
 
 
 @dataclass
@@ -204,6 +208,7 @@ class IndexStats:
     skipped_stores: int = 0
     replicated_chunks: int = 0  # hot chunks copied to a node that kept loading them
     failed_stores: int = 0  # store jobs a worker could not hand to its NodeStore
+    disk_write_failures: int = 0  # disk writes NodeStores reported failed (report_disk_writes)
     corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
     corrupt_after_hit: int = 0  # failed verification on load: the request recomputes
     malformed_items: int = 0  # offers and shard ids from NodeStores refused unread

@@ -20,13 +20,18 @@ Evictor's decisions never interleave on one shard: a shard dropped while its
 write-through waited is not written after. A load copies out of a shard array that is
 never written after it is stored: a concurrent drop only removes the tier's reference,
 and a dropped disk file fails the read cleanly.
+
+A failed disk write (a full or failing filesystem) costs only the disk copy: the shard
+stays in memory, the Evictor learns it has no disk copy, and the disk tier is degraded
+(no write tried) until a retry (:mod:`tierstore.store.disk_health`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TypeVar
@@ -39,6 +44,7 @@ from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.store.disk_health import DiskHealth, os_error_of
 from tierstore.store.ports import EvictorPort, PeerPort
 from tierstore.store.replicas import Replicas, shard_id_of
 from tierstore.store.shard_entry import (
@@ -78,15 +84,23 @@ class NodeStoreCore(Replicas):
     peers: PeerPort | None = None  # None: replicas cannot be pushed (reported failed)
     stats: NodeStoreStats = field(default_factory=NodeStoreStats)
     _stats_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    # Held by every change of a shard's disk copy, one shard at a time (reentrant: a
-    # failed write-through drops its shard); never across an Evictor or peer call.
+    # Held by every change of a shard's disk copy, one shard at a time; never across an
+    # Evictor or peer call.
     _disk_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    # The disk tier's state after a failed write (tierstore.store.disk_health), on this
+    # clock (tests move it); what the Evictor last heard of it (see _report_disk).
+    clock: Callable[[], float] = time.monotonic
+    _disk_health: DiskHealth | None = field(default=None, init=False, repr=False)
+    _reported_failures: int = field(default=0, init=False, repr=False)
+    _reported_writable: bool = field(default=True, init=False, repr=False)
+    _report_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.defer is None:
             self.defer = self.write_through
         if self.disk is not None:  # corrupt files found (and removed) while re-indexing
             self._count(corrupt_before_hit=self.disk.corrupt_chunks_removed)
+            self._disk_health = DiskHealth(self.disk.root, self.clock)
 
     def _count(self, **deltas: int) -> None:
         """Add to stats counters; any thread (loads count from several at once)."""
@@ -105,10 +119,13 @@ class NodeStoreCore(Replicas):
             (_offer(shard_id, meta), TierName.DISK)
             for shard_id, meta in (self.disk.items() if self.disk else [])
         ] + [(_offer(shard_id, meta), TierName.CPU) for shard_id, meta in self.cpu.items()]
+        with self._report_lock:
+            self._reported_writable = True  # what registering told the Evictor
         if not held:
+            self._report_disk([])
             return 0
         accepted, actions = self.evictor.restore(self.node_id, held, after_evictor_restart)
-        self.apply(actions)
+        self.apply(actions)  # reports a degraded disk tier too
         return sum(accepted)
 
     # ---- stores ------------------------------------------------------------------------
@@ -170,6 +187,7 @@ class NodeStoreCore(Replicas):
         offers = [
             ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
         ]
+        self._report_disk([])  # a degraded disk tier's retry falls due: writes planned again
         decision = self.evictor.admit(self.node_id, offers)
         own = decision.actions.get(self.node_id, NodeActions())
         batch = {
@@ -187,17 +205,22 @@ class NodeStoreCore(Replicas):
         """After a store: forget what was admitted but not kept; queue the write-through."""
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
+        self._report_disk([])
         if persist:
             assert self.defer is not None
             self.defer(persist)
 
     def keep(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
         """Hold an admitted shard in memory, or ``to_disk`` (demoted on admission): written
-        in the store call, since the CPU tier has no room to hold it until later."""
+        in the store call, since the CPU tier has no room to hold it until later (not
+        kept if that write fails or the disk tier is degraded)."""
         try:
             if to_disk and self.disk is not None:
                 with self._disk_lock:
-                    self.disk.put(shard_id, shard)
+                    written = self._disk_put(shard_id, lambda: shard)
+                if not written:
+                    self._count(skipped_shards=1)
+                    return False
                 self._count(demoted_shards=1)
             else:
                 self.cpu.put(shard_id, shard)
@@ -218,22 +241,26 @@ class NodeStoreCore(Replicas):
         outcomes: dict[Promotion, list[ShardId]] = {p: [] for p in Promotion}
         for shard_id in map(shard_id_of, actions.promote):
             outcomes[self._promote(shard_id)].append(shard_id)
-        lost += [s for s in map(shard_id_of, actions.persist) if not self._persist(s)]
+        gone, unwritten = self._persist(map(shard_id_of, actions.persist))
+        lost += gone
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
         if any(outcomes.values()):
             done, failed, refused = (outcomes[p] for p in Promotion)
             self.evictor.promoted(self.node_id, done, failed, refused)
+        self._report_disk(unwritten)
         self._push(actions.push)
 
     def write_through(self, shard_ids: list[ShardId]) -> None:
         """Copy stored shards to disk; their memory copies stay. The actor's
         write-through thread (``defer``). A shard no longer in memory (dropped or demoted
-        meanwhile) is not written again; one that cannot be written is dropped, and the
-        Evictor, which counts on a disk copy, forgets it."""
-        lost = [s for s in shard_ids if not self._persist(s)]
-        if lost:
-            self.evictor.forget_shards(self.node_id, lost)
+        meanwhile) is not written again, and the Evictor forgets one it still counts on.
+        One whose write fails or is skipped (the disk tier degraded) costs only its disk
+        copy: it stays in memory, and the Evictor learns it has none on disk."""
+        gone, unwritten = self._persist(shard_ids)
+        if gone:
+            self.evictor.forget_shards(self.node_id, gone)
+        self._report_disk(unwritten)
 
     def drop(self, shard_ids: list[ShardId]) -> int:
         freed = 0
@@ -245,39 +272,85 @@ class NodeStoreCore(Replicas):
             self._count(dropped_shards=1)
         return freed
 
+    def _disk_put(self, shard_id: ShardId, shard: Callable[[], StoredShard]) -> bool:
+        """Write ``shard()`` to the disk tier (disk lock held). False if it is not
+        written: skipped while the tier is degraded, or failed (counted; an OS error, such
+        as ENOSPC, EDQUOT or EIO, degrades the tier until its retry)."""
+        assert self.disk is not None and self._disk_health is not None
+        if not self._disk_health.writable():
+            self._count(disk_writes_skipped=1)
+            return False
+        try:
+            self.disk.put(shard_id, shard())
+        except (TierFullError, ValueError, OSError) as exc:
+            self._count(disk_write_failures=1)
+            error = os_error_of(exc)
+            if error is None:  # the tier refused it (no room it knows of, a bad name)
+                logger.warning("writing %s to disk failed", shard_id.key.hex(), exc_info=True)
+            else:
+                self._disk_health.failed(error)  # logged once per degraded period
+            return False
+        self._disk_health.succeeded()
+        return True
+
     def _write_to_disk(self, shard_id: ShardId) -> bool:
-        """Copy a memory shard to disk (once); False if it cannot be written."""
+        """Copy a memory shard to disk (once; disk lock held); False if it is not on disk
+        after: not in memory, or not written (see _disk_put)."""
         if self.disk is None:
             return False
         if shard_id in self.disk:
             return True
         try:
             with self.cpu.reading():  # its extent is not reused while it is written
-                self.disk.put(shard_id, self.cpu.get(shard_id))
+                return self._disk_put(shard_id, lambda: self.cpu.get(shard_id))
         except ChunkNotFoundError:
             return False  # not in memory (a load may have just dropped it as corrupt)
-        except (TierFullError, ValueError):
-            logger.warning("writing %s to disk failed", shard_id.key.hex(), exc_info=True)
-            self._count(failed_demotions=1)
-            return False
-        return True
 
     def _demote(self, shard_id: ShardId) -> bool:
-        """Free the memory copy; written first if it is not on disk yet."""
+        """Free the memory copy; written first if it is not on disk yet. If that write
+        fails or is refused (the disk tier degraded), the shard is dropped instead: the
+        policy chose to evict it, and the caller tells the Evictor (forget_shards), which
+        drops its unit knowingly rather than count on a disk copy that is not there."""
         with self._disk_lock:
             written = self._write_to_disk(shard_id)
-            self.cpu.delete(shard_id)
+            held = self.cpu.delete(shard_id) > 0
         if written:
             self._count(demoted_shards=1)
+        elif held:
+            self._count(failed_demotions=1)
         return written
 
-    def _persist(self, shard_id: ShardId) -> bool:
-        """Write-through after a store: the memory copy stays."""
-        with self._disk_lock:
-            if self._write_to_disk(shard_id):
-                return True
-            self.drop([shard_id])  # the index expected a disk copy: keep the two in step
-        return False
+    def _persist(self, shard_ids: Iterable[ShardId]) -> tuple[list[ShardId], list[ShardId]]:
+        """Write-through: copy memory shards to disk, the memory copies stay. Returns the
+        shards no longer in memory (dropped meanwhile) and those kept in memory only
+        (written nowhere else: their write failed or was skipped)."""
+        gone: list[ShardId] = []
+        unwritten: list[ShardId] = []
+        for shard_id in shard_ids:
+            with self._disk_lock:
+                if self._write_to_disk(shard_id):
+                    continue
+                in_memory = shard_id in self.cpu
+            (unwritten if in_memory else gone).append(shard_id)
+        return gone, unwritten
+
+    def _report_disk(self, unwritten: list[ShardId]) -> None:
+        """Tell the Evictor (one-way) what went wrong with disk writes since the last
+        report: shards kept in memory only, writes failed, and whether the disk tier takes
+        writes (False while degraded; True again once its retry is due, so the Evictor
+        plans writes and the first one is the retry). Sends nothing when all is well."""
+        if self._disk_health is None:
+            return
+        # Held across the one-way send (never waited on; loads never take it), so two
+        # threads' reports of the tier's state reach the Evictor in the order read.
+        with self._report_lock:
+            writable = self._disk_health.writable()
+            with self._stats_lock:
+                failures = self.stats.disk_write_failures - self._reported_failures
+                self._reported_failures = self.stats.disk_write_failures
+            if unwritten or failures or writable != self._reported_writable:
+                self._reported_writable = writable
+                self.evictor.report_disk_writes(self.node_id, unwritten, failures, writable)
 
     def _promote(self, shard_id: ShardId) -> Promotion:
         """Disk -> CPU, verified: a corrupt or truncated file becomes a miss, never a HIT;
@@ -373,9 +446,13 @@ class NodeStoreCore(Replicas):
         return {
             "node_id": self.node_id,
             "cpu": tier_status(self.cpu),
-            "disk": tier_status(self.disk),
+            "disk": {**tier_status(self.disk), **self._disk_state()},
             "stats": self._stats_snapshot(),
         }
+
+    def _disk_state(self) -> dict[str, object]:
+        """Whether the disk tier is degraded (and why, since when, the retry)."""
+        return self._disk_health.status() if self._disk_health else {"degraded": False}
 
     def _stats_snapshot(self) -> dict[str, int]:
         with self._stats_lock:

@@ -40,6 +40,10 @@ class EvictorPort(Protocol):
 
     def report_corrupt_after_hit(self, node_id: NodeId, shard_ids: list[ShardId]) -> None: ...
 
+    def report_disk_writes(
+        self, node_id: NodeId, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> None: ...
+
     def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
 
 

@@ -22,7 +22,12 @@ class NodeStoreStats:
     refused_promotions: int = 0  # no extent free: the shard stayed on disk
     replicas_sent: int = 0  # shards pushed to nodes that kept loading them
     replicas_received: int = 0
-    failed_demotions: int = 0
+    failed_demotions: int = 0  # not written to disk: the shard was dropped (and forgotten)
+    # Disk writes (write-through, demotion) that failed: the filesystem's error (ENOSPC,
+    # EIO...), which degrades the disk tier, or the tier's refusal. The shard kept its
+    # memory copy, or was dropped knowingly if it had none left.
+    disk_write_failures: int = 0
+    disk_writes_skipped: int = 0  # not tried, the disk tier degraded: as a failed one
     corrupt_on_store: int = 0
     corrupt_before_hit: int = 0
     corrupt_after_hit: int = 0

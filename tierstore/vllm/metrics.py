@@ -5,9 +5,9 @@ vLLM's API server builds one Prometheus metric per entry of
 through ``get_stats`` was declared, so the declarations and the recorder live together.
 Bytes and times of each transfer job are vLLM's own ``vllm:kv_offload_*`` metrics (the
 worker reports them in ``TransferResult``). Cluster-wide state (tier occupancy, what the
-Evictor evicted, demoted, promoted, skipped, found corrupt, store jobs workers lost) comes
-from the Evictor's status, polled off the scheduler thread, as gauges: every engine
-reports the same totals.
+Evictor evicted, demoted, promoted, skipped, found corrupt, store jobs workers lost, disk
+writes NodeStores failed) comes from the Evictor's status, polled off the scheduler
+thread, as gauges: every engine reports the same totals.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ TIER_USED = PREFIX + "tier_used_bytes"
 TIER_CAPACITY = PREFIX + "tier_capacity_bytes"
 TIER_CHUNKS = PREFIX + "tier_chunks"
 CLUSTER = PREFIX + "cluster_"  # + an IndexStats field, e.g. cluster_evicted_chunks
+# Disk writes that failed on any node (a full or failing filesystem): the shards kept
+# their memory copies and the node's disk tier was degraded; `tierstore status` names the
+# node. A cluster total, as the cluster_* ones (IndexStats.disk_write_failures).
+DISK_WRITE_FAILURES = PREFIX + "disk_write_failures"
 
 # The Evictor's cumulative counters, exported as gauges (the same cluster totals reach
 # every engine, so summing them as counters would count each once per engine).
@@ -114,6 +118,10 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         out[name] = OffloadingGaugeMetadata(documentation=doc, labelnames=_NODE_TIER)
     for field_name, doc in CLUSTER_TOTALS.items():
         out[CLUSTER + field_name] = OffloadingGaugeMetadata(documentation=doc)
+    out[DISK_WRITE_FAILURES] = OffloadingGaugeMetadata(
+        documentation="Disk writes that failed on any node since the Evictor started (the "
+        "shards kept their memory copies; the node's disk tier is retried later)."
+    )
     return out
 
 
@@ -150,6 +158,8 @@ class ManagerMetrics:
         for field_name in CLUSTER_TOTALS:
             if field_name in totals:
                 self._stats.set_gauge(CLUSTER + field_name, totals[field_name])
+        if "disk_write_failures" in totals:
+            self._stats.set_gauge(DISK_WRITE_FAILURES, totals["disk_write_failures"])
 
     def take(self) -> Any:
         """The payload so far (``OffloadingConnectorStats``), or None when empty."""
