@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tierstore.deploy.cli import collect_status
+from tierstore.deploy.bench.soak import disk_tier_fs
+from tierstore.deploy.cli import collect_status, format_status
 from tierstore.deploy.passes import random_prompt
 
 from tests.e2e.conftest import (
@@ -22,8 +23,9 @@ from tests.e2e.conftest import (
     only,
     tierstore_extra,
 )
-from tests.support import flip_bit, overwrite
+from tests.support import flip_bit, overwrite, wait_for
 from tierstore.data.tiers.disk import chunk_records
+from tierstore.store.disk_health import DISK_RETRY_MAX_S
 
 pytestmark = pytest.mark.e2e
 
@@ -201,3 +203,122 @@ def _status_of(address: str, namespace: str) -> dict[str, Any]:
     import json
 
     return json.loads(out.stdout)
+
+
+# The full disk: a tmpfs of 8 MiB, filled but for 160 KiB (what tierstore's folder, its
+# marker and locks need at start, and about three of Llama's 36 KiB chunk slots).
+FULL_FS_MIB = 8
+FULL_FS_LEFT = 160 << 10
+
+
+def _fill(root: Path, left_free: int) -> Path:
+    """Fill ``root``'s filesystem to ENOSPC, then give ``left_free`` bytes back."""
+    filler = root / "filler"
+    written = 0
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                written += f.write(bytes(1 << 20))
+        except OSError:
+            pass
+    os.truncate(filler, max(0, written - left_free))
+    return filler
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs, nearly full (needs root to mount; skipped without)."""
+    root = tmp_path / "disk"
+    with disk_tier_fs(root, FULL_FS_MIB) as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root")
+        yield root
+
+
+def _node_store_views(namespace: str, node_id: str) -> tuple[set[Any], set[Any]]:
+    """What the NodeStore holds, and what the Evictor's index believes it holds."""
+    import ray
+    from tierstore.actors.calls import shard_id_of
+    from tierstore.actors.clients import EvictorClient
+    from tierstore.actors.placement import EVICTOR_NAME, node_store_name
+
+    from tierstore.keys import TierName
+
+    evictor = EvictorClient(ray.get_actor(EVICTOR_NAME, namespace=namespace))
+    store = ray.get_actor(node_store_name(node_id), namespace=namespace)
+    held = ray.get(store.inventory.remote(), timeout=60)
+    indexed = evictor.index_view(node_id).result()
+    return tuple(  # type: ignore[return-value]
+        {(shard_id_of(s), TierName(t)) for s, t in copies} for copies in (held, indexed)
+    )
+
+
+def test_a_full_disk_costs_only_the_disk_copies_and_nothing_is_lost_once_it_frees_up(
+    runs, run_engine, tiny_model, full_disk: Path
+) -> None:
+    """The disk tier on a nearly full tmpfs, a CPU tier with room. Before: each
+    write-through that failed with ENOSPC deleted its shard from memory too, and a
+    prompt stored then reloaded after a device-cache reset reloaded nothing.
+
+    Now every prompt reloads from the CPU tier with parity, the failure is counted and the
+    disk tier degraded (in ``tierstore status``), the index counts no disk copy that does
+    not exist; once the disk frees up and the retry is due, a second engine's stores are
+    written through again, and everything the first one stored still reloads."""
+    namespace = "tierstore-e2e-disk-full"
+    filler = _fill(full_disk, FULL_FS_LEFT)
+    extra = tierstore_extra(
+        namespace=namespace, disk_path=str(full_disk / "tier"), disk_bytes_per_node="4MiB"
+    )
+    engine = {**engine_for(tiny_model, "llama", "float32"), "kv_extra_config": extra}
+    prompts = [PROMPT, random_prompt(1000, seed=51)]
+    first = run_engine(engine, prompts, 2, reset_each=True)
+
+    device = only(runs["llama"]["device"], 0)  # PROMPT computed without tierstore
+    for i in range(len(prompts)):
+        stored, reloaded = only(first, 0, i), only(first, 1, i)
+        assert reloaded["num_cached_tokens"] >= MIN_CACHED_FRACTION * 1000
+        assert reloaded["tokens"] == stored["tokens"]
+    assert only(first, 1, 0)["tokens"] == device["tokens"]
+
+    status = collect_status(namespace)
+    (node,) = status["nodes"]
+    chunks = sum(1000 // first.block_size for _ in prompts)
+    assert node["cpu"]["chunks"] >= chunks  # every chunk kept in memory
+    assert node["disk"]["chunks"] < chunks // 4  # the few that fitted
+    assert node["stats"]["disk_write_failures"] >= 1
+    assert node["stats"]["disk_writes_skipped"] >= 1
+    assert node["disk"]["degraded"] and "ENOSPC" in node["disk"]["error"]
+    assert status["totals"]["disk_write_failures"] == node["stats"]["disk_write_failures"]
+    text = format_status(status)
+    assert "DEGRADED" in text and "ENOSPC" in text
+    assert f"disk writes failed {node['stats']['disk_write_failures']}" in text
+
+    # The index counts exactly the copies the node holds: none on disk that is not there.
+    def views_agree() -> bool:
+        held, indexed = _node_store_views(namespace, node["node_id"])
+        return held == indexed
+
+    wait_for(views_agree, "the index and the node agree", 30)
+
+    # The disk frees up; once the retry is due, the next stores are written through.
+    filler.unlink()
+    wait_for(
+        lambda: collect_status(namespace)["nodes"][0]["disk"].get("retry_in_s") == 0,
+        "the disk tier's retry due",
+        DISK_RETRY_MAX_S + 10,
+        poll_s=1.0,
+    )
+    failures = node["stats"]["disk_write_failures"]
+    third = random_prompt(1000, seed=52)
+    second = run_engine(engine, [*prompts, third], 1, reset_each=True)
+    for i in range(len(prompts)):  # nothing held in memory was lost
+        again = only(second, 0, i)
+        assert again["num_cached_tokens"] >= MIN_CACHED_FRACTION * 1000
+        assert again["tokens"] == only(first, 0, i)["tokens"]
+    status = collect_status(namespace)
+    (node,) = status["nodes"]
+    assert not node["disk"]["degraded"]
+    assert node["stats"]["disk_write_failures"] == failures
+    assert node["disk"]["chunks"] >= 1000 // first.block_size  # the third prompt's
+    assert node["cpu"]["chunks"] >= chunks + 1000 // first.block_size
+    wait_for(views_agree, "the index and the node agree", 30)
