@@ -19,13 +19,9 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import tempfile
-import time
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import ray
@@ -61,7 +57,6 @@ _CONTROL = ray.method(concurrency_group="control")
 # what fails the job). A restore offers a node's whole inventory, so it gets longer.
 _REGISTER_TIMEOUT_S = 30.0
 # A killed NodeStore's process exits a moment after ray.kill returns (seconds when busy).
-_PREDECESSOR_EXIT_S = 30.0
 _ADMIT_TIMEOUT_S = 30.0
 _RESTORE_TIMEOUT_S = 120.0
 # Pulling a job or replica buffer from its producer's object store: milliseconds on one
@@ -84,10 +79,12 @@ def grant_room(cpu_bytes_per_node: int) -> int:
     return min(cpu_bytes_per_node, share)
 
 
-def _open_arena(cfg: TierStoreConfig, node_id: str, disk_dir: Path | None) -> ArenaTier:
-    """The node's CPU tier in a new shared arena (a stale one of this name is replaced)."""
+def _open_arena(cfg: TierStoreConfig, node_id: str, disk_folder: Path | None) -> ArenaTier:
+    """The node's CPU tier in a new shared arena (a stale one of this name is replaced).
+    Where ``/dev/shm`` has no room, a file-backed one inside the disk tier's own folder
+    (else the temp directory)."""
     room = grant_room(cfg.cpu_bytes_per_node)
-    fallback = disk_dir.parent if disk_dir is not None else Path(tempfile.gettempdir())
+    fallback = disk_folder if disk_folder is not None else Path(tempfile.gettempdir())
     region = ArenaRegion.create(
         cfg.namespace, node_id, cfg.cpu_bytes_per_node + room, fallback_dir=fallback
     )
@@ -149,48 +146,6 @@ class RayPeers:
         NodeStoreClient(store, node).accept_replicas(shards, views)
 
 
-def _claim_disk_dir(root: Path, node_id: str) -> tuple[Path, IO[str]]:
-    """``root`` itself when this is the only NodeStore on the machine (so a restarted
-    cluster, whose node ids are new, finds its chunks), else ``root/node-<id>``.
-
-    A node that already has its own directory keeps it: a NodeStore restarted after
-    root's holder left (its node removed) must find its node's chunks, not take root."""
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    own = root / f"node-{node_id}"
-    for path in (own, root) if own.is_dir() else (root, own):
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = _lock_dir(path, node_id)
-        if lock is not None:
-            return path, lock  # held for the actor's lifetime
-        logger.warning("%s is used by another NodeStore on this machine", path)
-    raise RuntimeError(f"cannot claim a disk tier directory under {root}")
-
-
-def _lock_dir(path: Path, node_id: str) -> IO[str] | None:
-    """The directory's lock, with this node's id written in it; None if another node's
-    NodeStore holds it. A holder of this same node is a killed predecessor whose process
-    has not exited yet (``ray.kill`` returns first): it is waited for, bounded, or the
-    restarted NodeStore would take a fresh directory and never find the node's chunks."""
-    deadline = time.monotonic() + _PREDECESSOR_EXIT_S
-    while True:
-        lock = open(path / ".lock", "a+")  # "a+": never truncate a holder's node id
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip()
-            lock.close()
-            if holder != node_id or time.monotonic() > deadline:
-                return None
-            time.sleep(0.1)
-            continue
-        lock.seek(0)
-        lock.truncate()
-        lock.write(node_id)
-        lock.flush()
-        return lock
-
-
 class NodeStore:
     def __init__(self, node_id: str, cfg: TierStoreConfig, evictor_name: str) -> None:
         evictor = EvictorClient(ray.get_actor(evictor_name, namespace=cfg.namespace))
@@ -201,11 +156,10 @@ class NodeStore:
         self._id = ray.get_runtime_context().get_actor_id()
         self._register()
         disk = None
-        self._lock = None
         if cfg.disk_bytes_per_node > 0 and cfg.disk_path:
-            path, self._lock = _claim_disk_dir(Path(os.path.expanduser(cfg.disk_path)), node_id)
-            disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync)
-        self._cpu = _open_arena(cfg, node_id, disk.root if disk is not None else None)
+            path = Path(cfg.disk_path)  # absolute: the config refuses anything else
+            disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync, node_id=node_id)
+        self._cpu = _open_arena(cfg, node_id, disk.folder if disk is not None else None)
         self._apply_failures = 0
         self._write_through: BatchQueue[list[ShardId]] = BatchQueue(
             self._write, "tierstore-write-through"
