@@ -55,6 +55,21 @@ def test_put_get_roundtrip_and_restart_recovers_everything(tmp_path: Path) -> No
         assert np.array_equal(reopened.get(shard_id).data, shard.data)
 
 
+def test_a_chunk_of_more_than_64_slots_keeps_its_slot_mask_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A chunk of 100 blocks, its last 37 slots written: the mask needs more than the 64
+    bits a msgpack int holds, and must come back whole (once, its write raised)."""
+    tier = DiskTier(tmp_path, 10_000)
+    data = np.random.default_rng(7).integers(0, 255, 300, dtype=np.uint8)
+    mask = ((1 << 37) - 1) << 63
+    shard = StoredShard(ShardMeta(300, digest(data), mask, 1, None), data)
+    tier.put(_id(1), shard)
+    reopened = _reopen(tier)
+    assert reopened.meta(_id(1)).slot_mask == mask
+    assert np.array_equal(reopened.get(_id(1)).data, data)
+
+
 def _flip(where: ChunkLocation, index: int) -> None:
     """Flip one bit of the payload byte at ``index`` (negative: from its end)."""
     flip_bit(where.path, where.payload_offset + index % where.nbytes)

@@ -23,6 +23,7 @@ import msgpack
 
 from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta
+from tierstore.fields import MAX_SLOTS
 from tierstore.keys import ChunkKey, Namespace, ShardId, group_of
 
 MAGIC = b"TSC2"
@@ -54,7 +55,7 @@ def encode_header(shard_id: ShardId, meta: ShardMeta) -> bytes:
             "group": group_of(shard_id.key),
             "rank": shard_id.rank,
             "length": meta.nbytes,
-            "slot_mask": meta.slot_mask,
+            "slot_mask": _pack_mask(meta.slot_mask),
             "checksum": CHECKSUM_ALGORITHM,
             "digest": meta.digest,
             "world_size": meta.world_size,
@@ -96,6 +97,23 @@ def _bounded(header: dict[str, Any], name: str, low: int, high: int) -> int:
     return value
 
 
+def _pack_mask(slot_mask: int) -> int | bytes:
+    """A slot mask as msgpack holds it: an int below 2**64, else its little-endian bytes
+    (a chunk of more than 64 slots)."""
+    if not 0 <= slot_mask < 1 << MAX_SLOTS:
+        raise ValueError(f"slot mask {slot_mask!r} is outside [0, 2**{MAX_SLOTS})")
+    if slot_mask < 1 << 64:
+        return slot_mask
+    return slot_mask.to_bytes((slot_mask.bit_length() + 7) // 8, "little")
+
+
+def _slot_mask(header: dict[str, Any]) -> int:
+    value = header.get("slot_mask")
+    if isinstance(value, bytes) and len(value) <= MAX_SLOTS // 8:
+        return int.from_bytes(value, "little")
+    return _bounded(header, "slot_mask", 0, 1 << 64)
+
+
 def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
     """A decoded header's shard id and metadata; every field type- and range-checked, so
     a crafted header raises ValueError and nothing else (``int(inf)`` raises
@@ -119,7 +137,7 @@ def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
     meta = ShardMeta(
         _bounded(header, "length", 0, 1 << 62),
         _bounded(header, "digest", 0, 1 << 64),
-        _bounded(header, "slot_mask", 0, 1 << 64),
+        _slot_mask(header),
         world_size,
         parent,
     )
