@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tierstore.data.tiers.disk_folder import mount_of
+
 logger = logging.getLogger(__name__)
 
 # After a disk write fails, the next one is tried this long after (the retry), doubling
@@ -121,14 +123,6 @@ def describe(exc: OSError) -> str:
     """``ENOSPC (No space left on device)``: the errno's name and its text."""
     name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else "?"
     return f"{name} ({exc.strerror or exc})"
-
-
-def mount_of(path: Path) -> Path:
-    """The mount point of the filesystem ``path`` is on."""
-    path = Path(os.path.abspath(path))
-    while not os.path.ismount(path) and path != path.parent:
-        path = path.parent
-    return path
 
 
 def _free_space(path: Path) -> str:

@@ -339,12 +339,16 @@ def size_of(nbytes: int) -> str:
 
 
 def mount_of(path: Path) -> Path:
-    """The mount point of the filesystem holding ``path`` (which exists): walked up
-    while the parent is on the same device."""
+    """The mount point of the filesystem holding ``path``: walked up while the parent is
+    on the same device (as far as the walk can stat: a failing disk ends it early).
+    Never raises for an existing path."""
     path = Path(os.path.realpath(path))
-    device = os.stat(path).st_dev
-    while path != path.parent and os.stat(path.parent).st_dev == device:
-        path = path.parent
+    try:
+        device = os.stat(path).st_dev
+        while path != path.parent and os.stat(path.parent).st_dev == device:
+            path = path.parent
+    except OSError:
+        pass
     return path
 
 
