@@ -115,11 +115,18 @@ def _init(address: str, cfg: TierStoreConfig) -> None:
         )
     except ConnectionError as exc:
         if address != "auto":
-            raise ClusterUnavailableError(
-                f"no Ray cluster at {address!r}: start one with `ray start --head` or fix "
-                f"ray_address / RAY_ADDRESS ({exc})"
-            ) from exc
+            raise ClusterUnavailableError(not_joined(address, exc)) from exc
         raise
+
+
+def not_joined(address: str, exc: BaseException) -> str:
+    """What to do when ``ray.init(address)`` failed: no cluster there, or (its port
+    answered) one whose token authentication this process does not match."""
+    return (
+        f"could not join a Ray cluster at {address!r}: start one with `ray start --head`, or "
+        "fix ray_address / RAY_ADDRESS / --address; if one runs there, RAY_AUTH_MODE and the "
+        f"token (RAY_AUTH_TOKEN, ~/.ray/auth_token) must match the cluster's ({exc})"
+    )
 
 
 # Ray starts worker processes, tierstore's actors among them, at niceness 15: beside a

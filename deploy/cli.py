@@ -31,7 +31,7 @@ _STATUS_TIMEOUT_S = 30.0
 
 def _connect(address: str | None, namespace: str) -> None:
     import ray
-    from tierstore.actors.bootstrap import check_reachable
+    from tierstore.actors.bootstrap import check_reachable, not_joined
 
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     check_reachable(target)
@@ -40,10 +40,7 @@ def _connect(address: str | None, namespace: str) -> None:
             address=target, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING
         )
     except ConnectionError as exc:
-        raise SystemExit(
-            f"no Ray cluster at {target}: start one with `ray start --head` or pass --address "
-            f"({exc})"
-        ) from exc
+        raise SystemExit(not_joined(target, exc)) from exc
 
 
 def collect_status(namespace: str) -> dict[str, Any]:

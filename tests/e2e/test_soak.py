@@ -2,7 +2,7 @@
 a NodeStore, a node, chunk files, the disk's free space and the server itself fail.
 
 Runs ``tierstore bench soak --quick`` in its own process: it is the driver of its own
-``ray.cluster_utils`` cluster with Ray token auth on (this session's Ray runs without),
+``ray.cluster_utils`` cluster with Ray token auth on (as every test's Ray does),
 and starts two servers (one without tierstore for the reference answers). The invariants
 a user sees are asserted; the timings are only reported (``soak.json``).
 """
