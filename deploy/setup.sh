@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 VENV=.venv
 PY=${PYTHON:-python3}
 stamp="$VENV/.tierstore-installed"
-want=$(sha256sum pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
+# The install's inputs: an edit to any of them installs again (the editable install
+# rebuilds the C module, tierstore/data/_fused_copy, from its source).
+want=$(sha256sum pyproject.toml deploy/setup.sh tierstore/data/*.c | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

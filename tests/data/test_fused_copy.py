@@ -1,11 +1,19 @@
 """The one-pass C walk against the numpy path: the same arena and KV bytes for every
 geometry, both ways, the digests a store commits, the same verdict on every load's
-digest, and bad block ids or extents refused."""
+digest, and bad block ids, extents or tables refused with nothing written; other
+Python threads run while it copies; setup.sh rebuilds it when its source changes."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,3 +151,166 @@ def test_a_wrong_digest_is_named_and_bad_block_ids_or_extents_are_refused() -> N
             fused_copy.gather(arena, tables, plan, [1, 2, 3, 4], outside)
     with pytest.raises(ValueError, match="extents for a job"):
         fused_copy.gather(arena, tables, plan, [1, 2, 3, 4], [0])
+
+
+# Columns of a ref row (fused_copy.PlanTables.refs, fused_copy.c REF_*).
+REF_STRIDE, REF_OFFSET = 1, 4
+
+
+def _narrow_stride(tables: fused_copy.PlanTables) -> None:
+    tables.refs[0, REF_STRIDE] = 16  # its rows are 32 bytes: 16-byte rows fit in them
+
+
+def _drop_last_ref(tables: fused_copy.PlanTables) -> None:
+    tables.refs = tables.refs[:1]  # the same rows (same address), one fewer given
+
+
+def _shift_past_slot(tables: fused_copy.PlanTables) -> None:
+    tables.refs[1, REF_OFFSET] += 8  # its page now ends 8 bytes past the slot
+
+
+@needs_c
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (_narrow_stride, "wider than its tensor's row stride"),
+        (_drop_last_ref, "outside the ref table"),
+        (_shift_past_slot, "outside its slot"),
+    ],
+)
+def test_a_table_the_c_walk_cannot_trust_is_refused_with_nothing_written(
+    tamper: Callable[[fused_copy.PlanTables], None], message: str
+) -> None:
+    """Rows of the plan's tables that would send a page past its row, its slot or the
+    table itself: ValueError, and neither the KV cache (load) nor the arena (store) is
+    touched, even by the pages before the bad one."""
+    rng = np.random.default_rng(5)
+    kv = [torch.from_numpy(rng.integers(-128, 128, (6, n), dtype=np.int8)) for n in (32, 64)]
+    layout = ChunkLayout(kv, [[(0, 32), (1, 64)]], blocks_per_chunk=2)
+    tables = fused_copy.PlanTables(layout)
+    plan = layout.plan([4], [0])  # two chunks of two 96-byte slots
+    tables.spans(plan)  # the span rows the walks below read
+    tamper(tables)
+    arena = rng.integers(0, 256, 1024, dtype=np.uint8)
+    offsets = [512, 0]
+    extents = [
+        (at, xxhash.xxh3_64_intdigest(arena[at : at + c.nbytes]))
+        for c, at in zip(plan.chunks, offsets, strict=True)
+    ]
+    kv_before, arena_before = [t.clone() for t in kv], arena.copy()
+    with pytest.raises(ValueError, match=message):
+        fused_copy.scatter_verified(arena, tables, plan, [1, 2, 3, 4], extents)
+    assert all(torch.equal(a, b) for a, b in zip(kv, kv_before, strict=True))
+    with pytest.raises(ValueError, match=message):
+        fused_copy.gather(arena, tables, plan, [1, 2, 3, 4], offsets)
+    assert np.array_equal(arena, arena_before)
+
+
+_ODD_VALUES = [-(2**63), -1, 0, 1, 31, 32, 33, 95, 96, 97, 1000, 2**62, 2**63 - 1]
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    in_spans=st.booleans(),
+    row=st.integers(0, 1),
+    column=st.integers(0, 5),
+    value=st.sampled_from(_ODD_VALUES) | st.integers(-3, 3),
+    replace=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_no_corrupt_index_in_the_tables_makes_a_walk_write_out_of_bounds(
+    in_spans: bool, row: int, column: int, value: int, replace: bool, seed: int
+) -> None:
+    """One span field, or one ref's page bytes or slot offset, set to an odd value (or
+    moved by a few): the walk either refuses (ValueError, nothing written) or writes only
+    inside the KV tensors' rows and the chunks' extents (guard rows and bytes around
+    them unchanged). Addresses, strides and rows are the caller's to get right."""
+    rng = np.random.default_rng(seed)
+    kv_with_guards = [
+        torch.from_numpy(rng.integers(-128, 128, (8, n), dtype=np.int8)) for n in (32, 64)
+    ]
+    kv = [t[1:7] for t in kv_with_guards]  # a guard row on each side
+    layout = ChunkLayout(kv, [[(0, 32)], [(1, 64)]], blocks_per_chunk=2)
+    tables, plan = fused_copy.PlanTables(layout), layout.plan([3, 2], [0, 1])
+    spans, _ = tables.spans(plan)
+    table, column = (spans, column) if in_spans else (tables.refs, 3 + column % 2)
+    table[row, column] = value if replace else table[row, column] + value
+    arena = rng.integers(0, 256, 4096, dtype=np.uint8)
+    offsets = [3000, 2000, 1000, 0]
+    extents = [
+        (at, xxhash.xxh3_64_intdigest(arena[at : at + c.nbytes]))
+        for c, at in zip(plan.chunks, offsets, strict=True)
+    ]
+    kv_before, arena_before = [t.clone() for t in kv_with_guards], arena.copy()
+    ids = [5, 0, 3, 2, 4]
+    try:
+        fused_copy.scatter_verified(arena, tables, plan, ids, extents)
+    except ValueError:
+        assert all(torch.equal(a, b) for a, b in zip(kv_with_guards, kv_before, strict=True))
+    for t, before in zip(kv_with_guards, kv_before, strict=True):
+        assert torch.equal(t[0], before[0]) and torch.equal(t[7], before[7])
+    try:
+        fused_copy.gather(arena, tables, plan, ids, offsets)
+    except ValueError:
+        assert np.array_equal(arena, arena_before)
+    outside = np.ones(arena.nbytes, dtype=bool)
+    for chunk, at in zip(plan.chunks, offsets, strict=True):
+        outside[at : at + chunk.nbytes] = False
+    assert np.array_equal(arena[outside], arena_before[outside])
+
+
+@needs_c
+def test_other_python_threads_run_while_a_walk_copies() -> None:
+    """A long copy (a 64 MiB store, hashed) must not stop the process's other Python
+    threads, the model runner's among them. With a switch interval longer than the
+    test, this thread keeps the GIL unless a call lets it go: the other thread, woken
+    before the walks start, runs only if a walk releases it."""
+    kv = [torch.zeros((64, 1 << 20), dtype=torch.uint8)]
+    layout = ChunkLayout(kv, [[(0, 1 << 20)]], blocks_per_chunk=16)
+    tables, plan = fused_copy.PlanTables(layout), layout.plan([64], [0])
+    arena = np.empty(plan.nbytes, dtype=np.uint8)
+    offsets, ids = [c.offset for c in plan.chunks], list(range(64))
+    go, ran = threading.Event(), threading.Event()
+
+    def run_when_woken() -> None:
+        if go.wait(60):
+            ran.set()
+
+    other = threading.Thread(target=run_when_woken, daemon=True)
+    other.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(600.0)
+    try:
+        go.set()
+        deadline = time.monotonic() + 30
+        while not ran.is_set() and time.monotonic() < deadline:
+            assert fused_copy.gather(arena, tables, plan, ids, offsets) is not None
+        ran_during_walks = ran.is_set()
+    finally:
+        sys.setswitchinterval(interval)
+        other.join(60)
+    assert ran_during_walks, "no other Python thread ran during 30 s of walks"
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_setup_installs_again_when_the_c_source_changes(tmp_path: Path) -> None:
+    """deploy/setup.sh skips the install while its stamp matches; the editable install
+    is what rebuilds the C module, so an edited fused_copy.c must change the stamp (or
+    the old module stays loaded)."""
+    script = (REPO / "deploy" / "setup.sh").read_text()
+    (want,) = re.findall(r"^want=.*$", script, flags=re.MULTILINE)
+    for part in ("pyproject.toml", "deploy", "tierstore"):
+        copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy
+        copy(REPO / part, tmp_path / part)
+
+    def stamp() -> str:
+        run = ["bash", "-c", f'set -euo pipefail; {want}; echo "$want"']
+        return subprocess.run(run, cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    before = stamp()
+    with open(tmp_path / "tierstore" / "data" / "fused_copy.c", "a") as source:
+        source.write("/* edited */\n")
+    assert stamp() != before

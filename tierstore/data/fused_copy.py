@@ -8,7 +8,8 @@ piece right after, while it is in cache: a store's digests are known when its ga
 returns, and a load's bytes are verified as they are copied. It walks the job's plan
 itself (spans of blocks, each block a slot of one page per layer), so no per-page table
 is built in Python, whose small numpy calls were most of a small job's time. One pass
-reads each piece once, while it is in cache (docs/benchmarks.md, "dataplane").
+reads each piece once, while it is in cache (what that saves: docs/benchmarks.md,
+"dataplane").
 
 The catch is a load's order: a shard's bytes may land in the destination blocks before
 its digest is known to be wrong. The caller then fails the load (or tries again,
@@ -16,9 +17,13 @@ pinned), and nothing reports those blocks loaded: vLLM recomputes them.
 
 The module is optional (no C compiler at install: ``available()`` is False and jobs
 take the numpy path). At import it is checked against the numpy path on a small
-two-group layout, both ways, bytes and digests; where it disagrees it is not used.
+two-group layout, both ways, bytes and digests; where it disagrees it is not used. Its
+one function takes the tables' addresses and lengths, checks every index it reads
+against those lengths before it copies anything (a bad table raises ValueError), and
+copies with the GIL released.
 
-Thread: any; the call releases the GIL (ctypes), each thread has its own hash state.
+Thread: any; other Python threads run while a walk copies, and each thread has its own
+hash state. The caller holds the tables, shards and KV tensors until the call returns.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ from tierstore.data.layout import ChunkLayout, JobPlan
 logger = logging.getLogger(__name__)
 
 OK = -1
-BAD_PLAN = -2
 
 # Jobs of at least this many bytes take the C walk (tests move it to compare paths).
 MIN_BYTES = 0
@@ -75,8 +79,9 @@ class PlanTables:
                 stride = t.stride(0) * t.element_size()
                 rows.append((t.data_ptr(), stride, t.shape[0], ref.page_bytes, ref.slot_offset))
             self._ref_ranges.append((first, len(rows)))
-        self._refs = np.array(rows, dtype=np.int64).reshape(-1, _REF_WIDTH)
-        self.refs_address = self._refs.ctypes.data
+        # One row per ref at refs_address; a walk reads rows [0, len(refs)) only.
+        self.refs = np.array(rows, dtype=np.int64).reshape(-1, _REF_WIDTH)
+        self.refs_address = self.refs.ctypes.data
         self._layout = layout
         self._spans: dict[int, tuple[JobPlan, np.ndarray, int]] = {}
 
@@ -103,17 +108,16 @@ class PlanTables:
 class _Native:
     """The C walk with the xxhash binding's streaming XXH3 functions to call."""
 
-    def __init__(self, lib: ctypes.CDLL, xxh: ctypes.CDLL) -> None:
-        self._fn = lib.ts_walk
-        self._fn.restype = ctypes.c_int64
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        int_ = ctypes.c_int
-        self._fn.argtypes = [p, p, p, i64, p, i64, p, p, i64, int_, int_, int_, p, p, p, p]
+    def __init__(self, xxh: ctypes.CDLL) -> None:
+        """Raises ImportError where the module was not built."""
+        from tierstore.data import _fused_copy
+
+        self._walk = _fused_copy.walk
         update = getattr(xxh, "XXH3_64bits_update_dispatch", None) or xxh.XXH3_64bits_update
-        self._hash_fns = [
-            ctypes.cast(f, ctypes.c_void_p).value
-            for f in (xxh.XXH3_64bits_reset, update, xxh.XXH3_64bits_digest)
-        ]
+        fns = (xxh.XXH3_64bits_reset, update, xxh.XXH3_64bits_digest)
+        self._hash_fns = [ctypes.cast(f, ctypes.c_void_p).value or 0 for f in fns]
+        if not all(self._hash_fns):
+            raise AttributeError("the xxhash binding's XXH3 functions have no address")
         xxh.XXH3_createState.restype = ctypes.c_void_p
         self._create_state = xxh.XXH3_createState
         self._local = threading.local()  # a thread's state lives as long as the thread
@@ -129,7 +133,9 @@ class _Native:
         hashing: bool = True,
     ) -> int:
         """``shards``: uint64 job offsets (n + 1, the job's end last), addresses (n),
-        digests (n). A scatter always hashes."""
+        digests (n). A scatter always hashes. Returns ``OK`` or, for a scatter, the first
+        shard whose digest differs; raises ValueError for a plan outside its tables, the
+        KV cache or the job (nothing copied)."""
         state = getattr(self._local, "state", None)
         if state is None:
             state = self._local.state = self._create_state()
@@ -139,7 +145,7 @@ class _Native:
         n = (len(shards) - 1) // 3
         base = shards.buffer_info()[0]
         return int(
-            self._fn(
+            self._walk(
                 base,
                 base + 8 * (n + 1),
                 base + 8 * (2 * n + 1),
@@ -147,11 +153,12 @@ class _Native:
                 spans_address,
                 len(spans),
                 tables.refs_address,
+                len(tables.refs),
                 ids.ctypes.data,
                 len(ids),
-                int(gather),
-                int(streaming),
-                int(hashing),
+                gather,
+                streaming,
+                hashing,
                 state,
                 *self._hash_fns,
             )
@@ -186,12 +193,6 @@ def _ids(block_ids: np.ndarray | Sequence[int]) -> np.ndarray:
     return np.ascontiguousarray(block_ids, dtype=np.int64).reshape(-1)
 
 
-def _walked(result: int) -> int:
-    if result == BAD_PLAN:
-        raise ValueError("block ids outside the KV cache, or pages outside the job")
-    return result
-
-
 def scatter_verified(
     arena: np.ndarray,
     tables: PlanTables,
@@ -204,8 +205,8 @@ def scatter_verified(
 
     Returns ``OK``, or the index of the first chunk whose digest differs (bytes up to it
     may be in the destination). Raises ValueError for an extent outside the arena or a
-    block id outside the KV cache (nothing past it copied); RuntimeError if the module
-    is not available."""
+    block id or a page outside the KV cache, its tables or the job (nothing copied);
+    RuntimeError if the module is not available."""
     addresses = _in_arena(arena, plan, [at for at, _ in extents])
     return _scatter(tables, plan, block_ids, addresses, [d for _, d in extents])
 
@@ -238,7 +239,7 @@ def _scatter(
     native = _require()
     shards = _shard_table(plan, addresses, digests)
     streaming = plan.nbytes >= STREAMING_MIN_BYTES
-    return _walked(native.walk(shards, tables, plan, _ids(block_ids), False, streaming))
+    return native.walk(shards, tables, plan, _ids(block_ids), False, streaming)
 
 
 def gather(
@@ -255,7 +256,7 @@ def gather(
     native = _require()
     shards = _shard_table(plan, _in_arena(arena, plan, offsets), [0] * len(offsets))
     large = plan.nbytes >= STREAMING_MIN_BYTES
-    _walked(native.walk(shards, tables, plan, _ids(block_ids), True, large, large))
+    native.walk(shards, tables, plan, _ids(block_ids), True, large, large)
     return shards[2 * len(offsets) + 1 :].tolist() if large else None
 
 
@@ -317,14 +318,16 @@ def _agrees_with_numpy(native: _Native) -> bool:
 
 def _load() -> _Native | None:
     try:
-        from tierstore.data import _fused_copy  # type: ignore[attr-defined]
-
-        lib = ctypes.CDLL(_fused_copy.__file__)
-        native = _Native(lib, binding_library())
+        native = _Native(binding_library())
     except (ImportError, OSError, AttributeError) as exc:
         logger.info("copies and hashes in numpy (the C module is not there: %s)", exc)
         return None
-    if not _agrees_with_numpy(native):
+    try:
+        agrees = _agrees_with_numpy(native)
+    except ValueError as exc:  # it refused the probe's plan
+        logger.warning("the C copy walk refused its probe (%s); not used", exc)
+        return None
+    if not agrees:
         logger.warning("the C copy walk disagrees with numpy on its probe; not used")
         return None
     return native
