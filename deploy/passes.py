@@ -15,7 +15,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 logger = logging.getLogger(__name__)
@@ -222,21 +222,3 @@ def shutdown_engine(llm: Any, timeout_s: float = 60.0) -> None:
     for proc in processes:
         proc.join(max(0.0, deadline - time.monotonic()))
     client.shutdown()
-
-
-def run_passes(
-    spec: EngineSpec,
-    prompts: list[list[int]],
-    n_passes: int,
-    max_tokens: int = 8,
-    reset_between: bool = True,
-    reset_each: bool = False,
-) -> list[dict[str, Any]]:
-    llm = build_llm(spec)
-    passes = []
-    for _ in range(n_passes):
-        passes.append(asdict(run_pass(llm, prompts, max_tokens, reset_each)))
-        drain(llm)
-        if reset_between:
-            llm.reset_prefix_cache()
-    return passes
