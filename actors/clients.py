@@ -1,9 +1,16 @@
 """Typed clients of tierstore's actors: every caller talks to an actor through one.
 
-Each method has the name of the actor method it calls, sends the call at once and
-returns a :class:`~tierstore.actors.calls.Pending`: ``.result()`` waits (never past the
-client's deadline), rebuilds the answer's types and raises tierstore's own errors. A
-one-way caller drops the Pending. Creating a client never blocks.
+Each method has the name and parameters of the actor method it calls, sends the call at
+once and returns a :class:`~tierstore.actors.calls.Pending`: ``.result()`` waits (never
+past the client's deadline), rebuilds the answer's types (:mod:`tierstore.wire`) and
+raises tierstore's own errors. A one-way caller drops the Pending. Creating a client
+never blocks.
+
+The Ray-free code that calls an actor names the part of a client it needs as a Protocol
+(:class:`tierstore.store.ports.EvictorPort` for a NodeStore,
+``tierstore.vllm.evictor_channel.EvictorCalls`` for the scheduler,
+``tierstore.vllm.worker_ports.NodeStoreCalls`` for a worker) and is handed the client
+itself; ``tests/actors/test_ports.py`` holds each to the client and the actor.
 """
 
 from __future__ import annotations
@@ -12,32 +19,31 @@ from typing import Any
 
 import numpy as np
 import ray
-from tierstore.actors.calls import (
-    Pending,
+from tierstore.actors.calls import Pending, send
+
+from tierstore.config import TierStoreConfig
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.wire import (
+    EventBatch,
+    LookupAnswer,
+    NodeActions,
+    RegionInfo,
+    ShardEntry,
+    ShardMeta,
+    ShardOffer,
     answers_of,
+    arena_info_of,
+    config_of,
     decision_of,
     event_batch_of,
     metas_of,
     nodes_of,
-    send,
+    pins_of,
 )
-
-from tierstore.config import TierStoreConfig
-from tierstore.control.events import EventBatch
-from tierstore.control.index import LookupAnswer, NodeActions, ShardOffer
-from tierstore.data.arena.region import RegionInfo
-from tierstore.data.tiers.base import ShardMeta
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
-from tierstore.store.node_store import ShardEntry
 
 # Default deadline of an answer: the Evictor answers in milliseconds; 30 s means it is
 # stuck or gone (the scheduler's lookups then count as misses).
 DEFAULT_TIMEOUT_S = 30.0
-
-
-def config_of(value: Any) -> TierStoreConfig:
-    """An actor's ``config`` answer (a dict: msgpack flattens the dataclass) rebuilt."""
-    return value if isinstance(value, TierStoreConfig) else TierStoreConfig(**value)
 
 
 class EvictorClient:
@@ -148,12 +154,6 @@ class EvictorClient:
         """The config the actor runs with."""
         return self._call("config", convert=config_of)
 
-    def fail_next_reconcile_for_test(self) -> Pending[None]:
-        return self._call("fail_next_reconcile_for_test")
-
-    def stall_for_test(self, release_file: str, max_s: float) -> Pending[None]:
-        return self._call("stall_for_test", release_file, max_s)
-
 
 class NodeStoreClient:
     """One node's NodeStore actor (``tierstore.actors.node_store_actor.NodeStore``)."""
@@ -166,13 +166,13 @@ class NodeStoreClient:
         self.timeout_s = timeout_s
 
     def _call(
-        self, method: str, *args: Any, convert: Any = None, keep: object = None
+        self, method: str, *args: Any, convert: Any = None, keep_alive: object = None
     ) -> Pending[Any]:
         what = f"NodeStore.{method} on node {self.node}"
         ref = send(what, getattr(self.handle, method), *args, timeout_s=self.timeout_s)
         if convert is None:
-            return Pending(what, ref, self.timeout_s, keep=keep)
-        return Pending(what, ref, self.timeout_s, convert, keep=keep)
+            return Pending(what, ref, self.timeout_s, keep_alive=keep_alive)
+        return Pending(what, ref, self.timeout_s, convert, keep_alive=keep_alive)
 
     def reregister(self) -> Pending[int]:
         return self._call("reregister")
@@ -187,7 +187,7 @@ class NodeStoreClient:
     ) -> Pending[int]:
         """Puts ``buffer`` from this process (it owns the object until the store answers)."""
         ref = ray.put(buffer)
-        return self._call("store", namespace, rank, world_size, entries, [ref], keep=ref)
+        return self._call("store", namespace, rank, world_size, entries, [ref], keep_alive=ref)
 
     def load(
         self, namespace: Namespace, rank: int, keys: list[ChunkKey]
@@ -205,13 +205,7 @@ class NodeStoreClient:
         return self._call("apply", actions)
 
     def arena_info(self) -> Pending[tuple[RegionInfo | None, int]]:
-        def info(value: Any) -> tuple[RegionInfo | None, int]:
-            region, room = value
-            if region is not None and not isinstance(region, RegionInfo):
-                region = RegionInfo(*region)
-            return region, int(room)
-
-        return self._call("arena_info", convert=info)
+        return self._call("arena_info", convert=arena_info_of)
 
     def arena_grant(
         self, holder: str, epoch: str, sizes: list[int]
@@ -235,17 +229,7 @@ class NodeStoreClient:
     def arena_pin(
         self, holder: str, epoch: str, namespace: Namespace, rank: int, keys: list[ChunkKey]
     ) -> Pending[list[tuple[int, ShardMeta]]]:
-        return self._call(
-            "arena_pin",
-            holder,
-            epoch,
-            namespace,
-            rank,
-            keys,
-            convert=lambda pins: list(
-                zip([int(at) for at, _ in pins], metas_of(m for _, m in pins), strict=True)
-            ),
-        )
+        return self._call("arena_pin", holder, epoch, namespace, rank, keys, convert=pins_of)
 
     def arena_unpin(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:
         return self._call("arena_unpin", holder, epoch, offsets)
@@ -259,7 +243,7 @@ class NodeStoreClient:
         """Puts the shards' bytes (one array each) into one object, copied before this
         returns; this process owns it until the call answers."""
         ref = ray.put(views)
-        return self._call("accept_replicas", shards, [ref], keep=ref)
+        return self._call("accept_replicas", shards, [ref], keep_alive=ref)
 
     def inventory(self) -> Pending[set[tuple[ShardId, TierName]]]:
         return self._call("inventory")
@@ -270,13 +254,3 @@ class NodeStoreClient:
     def config(self) -> Pending[TierStoreConfig]:
         """The config the actor runs with."""
         return self._call("config", convert=config_of)
-
-    def disk_location_for_test(
-        self, namespace: Namespace, key: ChunkKey, rank: int
-    ) -> Pending[tuple[str, int, int]]:
-        return self._call("disk_location_for_test", namespace, key, rank)
-
-    def corrupt_in_memory_for_test(
-        self, namespace: Namespace, key: ChunkKey, rank: int
-    ) -> Pending[None]:
-        return self._call("corrupt_in_memory_for_test", namespace, key, rank)

@@ -10,30 +10,29 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import threading
 import time
-from pathlib import Path
 from typing import TypeVar
 
 import ray
-from tierstore.actors.calls import checked_shard_ids, held_of, offers_of, shard_ids_of
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
 from tierstore.config import TierStoreConfig
-from tierstore.control.events import EventBatch, EventLog
-from tierstore.control.index import (
-    Actions,
-    ChunkIndex,
+from tierstore.control.events import EventLog
+from tierstore.control.index import Actions, ChunkIndex, Watermarks
+from tierstore.fields import MalformedField, integer
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.wire import (
+    EventBatch,
     LookupAnswer,
     NodeActions,
     ShardOffer,
-    Watermarks,
+    checked_shard_ids,
+    held_of,
+    held_shard,
+    offers_of,
 )
-from tierstore.control.index_model import held_shard
-from tierstore.fields import MalformedField, integer
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,6 @@ class Evictor:
         self._stop = threading.Event()
         self._reconciles = 0  # done, on the actor's thread
         self._reconcile_failures = 0  # counted on the ticker's thread
-        self._fail_next_reconcile = False
         me = EvictorClient(ray.get_runtime_context().current_actor, _RECONCILE_TIMEOUT_S)
         # The thread only sends calls to this actor and waits for them: all index work
         # stays on the actor's own thread, so nothing here needs a lock.
@@ -95,9 +93,6 @@ class Evictor:
         # (units name each other by id): keep the cyclic GC from re-scanning them.
         # Measured 1.2-1.45x more admits/s at 1e5 chunks. Refcounting still frees them.
         gc.freeze()
-        if self._fail_next_reconcile:
-            self._fail_next_reconcile = False
-            raise RuntimeError("reconcile failed on purpose (fail_next_reconcile_for_test)")
         alive = alive_node_ids()
         known = set(self._index.nodes())
         started = []
@@ -110,25 +105,12 @@ class Evictor:
                 continue
             if node_id not in known:
                 NodeStoreClient(store, node_id).reregister()  # one-way
-        gone = sorted(known - alive)
+        gone: list[str] = sorted(known - alive)
         for node_id in gone:
             logger.warning("node %s left the cluster; forgetting its chunks", node_id)
             self.forget_node(node_id)
         self._reconciles += 1
         return {"started": started, "forgotten": gone}
-
-    def fail_next_reconcile_for_test(self) -> None:
-        """Make the next reconcile raise (tests prove the ticker outlives it)."""
-        self._fail_next_reconcile = True
-
-    def stall_for_test(self, release_file: str, max_s: float) -> None:
-        """Block this actor's only thread until ``release_file`` exists (or ``max_s``
-        passed): tests prove a NodeStore serves loads while its store waits on ``admit``.
-        Writes ``<release_file>.stalled`` once blocking, so a test knows it is."""
-        deadline = time.monotonic() + max_s
-        Path(release_file + ".stalled").touch()
-        while not os.path.exists(release_file) and time.monotonic() < deadline:
-            time.sleep(0.01)
 
     def register_node(
         self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, store_id: str | None = None
@@ -153,7 +135,8 @@ class Evictor:
         result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
         admitted = [_shard_of(o) for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
         self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
-        return _spread(checked, result.accepted), self._send(result.actions, keep=NodeId(node_id))
+        own = self._send(result.actions, caller=NodeId(node_id))
+        return _spread(checked, result.accepted), own
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
@@ -171,7 +154,7 @@ class Evictor:
         )
         kept = [(_shard_of(o), t) for (o, t), ok in zip(shards, accepted, strict=True) if ok]
         self._events.record_held(node, False, kept)
-        own = self._send(actions, keep=node)
+        own = self._send(actions, caller=node)
         indexed = {shard_id for shard_id, _ in kept}
         refused = (held_shard(h) for h, c in zip(held, checked, strict=True) if c is None)
         own.drop += [s for s in refused if s is not None and s not in indexed]
@@ -309,7 +292,7 @@ class Evictor:
         }
 
     def _checked(self, items: list[T | None]) -> list[T | None]:
-        """Items of a NodeStore's message as :mod:`tierstore.actors.calls` checked them
+        """Items of a NodeStore's message as :mod:`tierstore.wire` checked them
         (None: malformed, refused and logged there), the refused counted."""
         self._index.stats.malformed_items += items.count(None)
         return items
@@ -318,12 +301,13 @@ class Evictor:
         """ShardIds a NodeStore reports, checked: a malformed one is refused (counted)."""
         return [s for s in self._checked(checked_shard_ids(values)) if s is not None]
 
-    def _send(self, actions: Actions, keep: NodeId | None = None) -> NodeActions:
-        """Send each node its actions, one-way; return (not send) those of ``keep``."""
+    def _send(self, actions: Actions, caller: NodeId | None = None) -> NodeActions:
+        """Send each node its actions, one-way; return (not send) those of ``caller``
+        (the NodeStore whose call this answers gets its own share in the reply)."""
         own = NodeActions()
         for node, node_actions in actions.items():
             self._record_actions(node, node_actions)
-            if node == keep:
+            if node == caller:
                 own = node_actions
                 continue
             if not node_actions:
@@ -356,6 +340,3 @@ def _spread(checked: list[T | None], answers: list[bool]) -> list[bool]:
 
 def _shard_of(offer: ShardOffer) -> ShardId:
     return ShardId(offer.namespace, offer.key, offer.rank)
-
-
-_ids = shard_ids_of  # ShardIds arrive as plain tuples (see tierstore.actors.calls)

@@ -10,8 +10,8 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
   ``reregister``.
   Waits on the Evictor (deadlines below) and writes to disk. One thread keeps the
   Evictor's decisions applied in the order it made them, as before.
-- the default group (one thread): ``inventory``, ``status`` and the ``*_for_test``
-  methods: quick reads, answered even while a store waits on ``admit``.
+- the default group (one thread): ``inventory``, ``status`` and ``config``: quick
+  reads, answered even while a store waits on ``admit``.
 - a write-through thread (not Ray's): copies stored shards to disk after their store is
   answered, in batches, so a commit never waits behind the last one's disk writes and
   no Ray call to itself is made per store.
@@ -25,21 +25,26 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from tierstore.actors.calls import node_actions_of, shard_id_of
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.names import node_store_name
 
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
-from tierstore.data.arena.region import ArenaRegion, RegionInfo
+from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.tiers.arena import ArenaTier
-from tierstore.data.tiers.base import ShardMeta
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
 from tierstore.store.batch_queue import BatchQueue
-from tierstore.store.node_store import NodeStoreCore, ShardEntry
+from tierstore.store.node_store import NodeStoreCore
+from tierstore.wire import (
+    NodeActions,
+    RegionInfo,
+    ShardEntry,
+    ShardMeta,
+    node_actions_of,
+    replicas_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +57,10 @@ _DATA = ray.method(concurrency_group="data")
 _CONTROL = ray.method(concurrency_group="control")
 
 
-# Deadlines of the calls a NodeStore waits on. The Evictor answers in milliseconds; these
-# bound a store while it is stuck or restarting (the worker's own transfer deadline is
-# what fails the job). A restore offers a node's whole inventory, so it gets longer.
+# Deadline of registering with the Evictor (it answers in milliseconds; this bounds a
+# start while it is stuck or restarting). The core's waits on it have theirs
+# (tierstore.store.node_store).
 _REGISTER_TIMEOUT_S = 30.0
-# A killed NodeStore's process exits a moment after ray.kill returns (seconds when busy).
-_ADMIT_TIMEOUT_S = 30.0
-_RESTORE_TIMEOUT_S = 120.0
 # Pulling a job or replica buffer from its producer's object store: milliseconds on one
 # node, a transfer across nodes; a producer that died leaves the ref unresolvable.
 _BUFFER_TIMEOUT_S = 60.0
@@ -89,42 +91,6 @@ def _open_arena(cfg: TierStoreConfig, node_id: str, disk_folder: Path | None) ->
         cfg.namespace, node_id, cfg.cpu_bytes_per_node + room, fallback_dir=fallback
     )
     return ArenaTier(region, cfg.cpu_bytes_per_node)
-
-
-class RayEvictorPort:
-    """The Evictor seen from a NodeStore (an ``EvictorPort``): admits wait, reports are
-    one-way (their Pending is dropped)."""
-
-    def __init__(self, evictor: EvictorClient) -> None:
-        self._evictor = evictor
-
-    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
-        accepted, actions = self._evictor.admit(node_id, offers).result(_ADMIT_TIMEOUT_S)
-        return AdmitResult(accepted, {node_id: actions})
-
-    def restore(
-        self, node_id: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
-    ) -> tuple[list[bool], NodeActions]:
-        return self._evictor.restore(node_id, held, grace).result(_RESTORE_TIMEOUT_S)
-
-    def promoted(
-        self, node_id: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
-    ) -> None:
-        self._evictor.promoted(node_id, done, failed, refused)
-
-    def forget_shards(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
-        self._evictor.forget_shards(node_id, shard_ids)
-
-    def report_corrupt_after_hit(self, node_id: NodeId, shard_ids: list[ShardId]) -> None:
-        self._evictor.report_corrupt_after_hit(node_id, shard_ids)
-
-    def report_disk_writes(
-        self, node_id: NodeId, unwritten: list[ShardId], failures: int, writable: bool
-    ) -> None:
-        self._evictor.report_disk_writes(node_id, unwritten, failures, writable)
-
-    def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None:
-        self._evictor.replicated(node_id, done, failed)
 
 
 class RayPeers:
@@ -168,7 +134,7 @@ class NodeStore:
             NodeId(node_id),
             self._cpu,
             disk,
-            RayEvictorPort(evictor),
+            evictor,
             defer=self._write_through.put,
             peers=RayPeers(cfg.namespace),
         )
@@ -189,6 +155,9 @@ class NodeStore:
     @_CONTROL
     def reregister(self) -> int:
         """The Evictor restarted and lost its index: offer it everything held here again."""
+        return self._reregister()
+
+    def _reregister(self) -> int:
         self._register()
         return self._core.register_inventory(after_evictor_restart=True)
 
@@ -211,7 +180,7 @@ class NodeStore:
             # The Evictor restarted and has not reconciled yet: register this node and
             # offer what it holds (as the reconcile would), then admit the new shards.
             logger.info("Evictor does not know node %s yet; registering", self._node_id)
-            self.reregister()
+            self._reregister()
             return self._core.store(namespace, rank, world_size, entries, buffer)
 
     @_DATA
@@ -240,7 +209,7 @@ class NodeStore:
     def accept_replicas(
         self, shards: list[tuple[ShardId, ShardMeta]], buffer_ref: list[ray.ObjectRef]
     ) -> None:
-        received = [(shard_id_of(s), meta) for s, meta in shards]
+        received = replicas_of(shards)
         try:
             views = list(ray.get(buffer_ref[0], timeout=_BUFFER_TIMEOUT_S))
         except Exception:  # one-way: nobody else would hear of it
@@ -277,7 +246,7 @@ class NodeStore:
         try:
             return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
         except UnknownNodeError:  # as in store(): the Evictor restarted
-            self.reregister()
+            self._reregister()
             return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
 
     @_DATA
@@ -318,14 +287,3 @@ class NodeStore:
             "write_through_queued": self._write_through.queued,
             "arena": self._cpu.status(),
         }
-
-    def disk_location_for_test(
-        self, namespace: Namespace, key: ChunkKey, rank: int
-    ) -> tuple[str, int, int]:
-        """Where a shard's payload lies on disk: (file, offset, bytes); tests corrupt it."""
-        assert self._core.disk is not None
-        where = self._core.disk.location_of(ShardId(namespace, key, rank))
-        return str(where.path), where.payload_offset, where.nbytes
-
-    def corrupt_in_memory_for_test(self, namespace: Namespace, key: ChunkKey, rank: int) -> None:
-        self._core.corrupt_in_memory(ShardId(namespace, key, rank))

@@ -11,7 +11,7 @@ import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -33,6 +33,17 @@ FAST_HEALTH_CHECKS = {
 # (controlplane benchmark under full load: p50 156 ms), which would turn hits into
 # correct but unasserted recomputes. The deadline itself: tests/vllm/test_lookup_deadline.py.
 E2E_LOOKUP_TIMEOUT_MS = 10_000.0
+
+
+class Answered(Generic[T]):
+    """A reply already in hand (a ``tierstore.wire.Reply``): what an in-process double
+    of an actor returns for a call its caller waits on."""
+
+    def __init__(self, value: T) -> None:
+        self.value = value
+
+    def result(self, timeout_s: float | None = None) -> T:
+        return self.value
 
 
 def can_build_c() -> bool:

@@ -4,10 +4,10 @@ A worker's commit, a NodeStore's offer, a word of the arena's directory: each co
 from another process (through Ray, where msgpack flattens a NamedTuple into a plain
 tuple and keeps a numpy integer as one, or through shared memory) and is trusted by
 nothing here until its fields pass these checks. Each message type has one function
-that checks all of its fields, next to the message's definition
-(:func:`tierstore.store.shard_entry.check_entry`,
-:func:`tierstore.control.index_model.check_offer`, the directory's ``_find_one``); they
-build on the primitives below, which raise :class:`MalformedField` naming the field and
+that checks all of its fields, next to the message's definition in
+:mod:`tierstore.wire` (:func:`~tierstore.wire.check_entry`,
+:func:`~tierstore.wire.check_offer`; the arena directory's words: its ``_find_one``);
+they build on the primitives below, which raise :class:`MalformedField` naming the field and
 the value, and nothing else (never ``OverflowError``, ``TypeError``, or an allocation
 the size of a crafted number).
 """

@@ -16,11 +16,11 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from tests.support import holder_process, poll, wait_for
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState
 from tierstore.data.arena.holders import HolderLock
 from tierstore.errors import ClusterUnavailableError
 from tierstore.keys import NodeId
 from tierstore.vllm.transfer_specs import StoreSpec
+from tierstore.wire import LookupState
 
 
 def _node_store(cfg: TierStoreConfig) -> NodeStoreClient:

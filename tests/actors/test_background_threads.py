@@ -12,13 +12,13 @@ import ray
 from tierstore.actors.bootstrap import get_or_create_evictor, get_or_create_node_store
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 
+from tests.actors.hooks import start_evictor_for_tests
 from tests.support import wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupAnswer, LookupState, NodeActions, ShardOffer
 from tierstore.data.checksum import digest
 from tierstore.keys import ChunkKey, Namespace
-from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.evictor_channel import EvictorChannel
+from tierstore.wire import LookupAnswer, LookupState, NodeActions, ShardEntry, ShardOffer
 
 NS = Namespace("threads-test")
 KEY = ChunkKey(b"\1" * 8 + b"\0" * 4)
@@ -49,13 +49,14 @@ def test_a_raising_callback_does_not_stop_the_channel(cfg: TierStoreConfig) -> N
 
 
 def test_a_failed_reconcile_does_not_stop_the_evictor_ticker(cfg: TierStoreConfig) -> None:
-    evictor = EvictorClient(get_or_create_evictor(cfg))
+    handle = start_evictor_for_tests(cfg)
+    evictor = EvictorClient(handle)
 
     def reconciles() -> dict[str, int]:
         return evictor.status().result()["reconciles"]
 
     wait_for(lambda: reconciles()["done"] >= 1, "a first reconcile", _WAIT_S)
-    evictor.fail_next_reconcile_for_test().result()
+    ray.get(handle.fail_next_reconcile.remote(), timeout=_WAIT_S)
     failed = wait_for(lambda: reconciles()["failed"] == 1 and reconciles(), "a failure", _WAIT_S)
     wait_for(
         lambda: reconciles()["done"] > failed["done"], "a reconcile after the failure", _WAIT_S

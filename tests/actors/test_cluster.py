@@ -12,8 +12,8 @@ from tierstore.actors.placement import node_store_name
 
 from tests.support import LOOPBACK, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace
+from tierstore.wire import LookupState, ShardOffer
 
 NAMESPACE = "tierstore-cluster-tests"
 NS = Namespace("c1c1")

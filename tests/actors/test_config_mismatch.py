@@ -17,6 +17,7 @@ from tierstore.actors.placement import EVICTOR_NAME
 from tierstore.deploy.cli import _wait_with_progress
 
 from tests.actors.conftest import NAMESPACE
+from tests.actors.hooks import start_evictor_for_tests
 from tests.support import wait_for
 from tierstore.config import ConfigMismatchError, TierStoreConfig
 from tierstore.errors import RemoteCallTimeout
@@ -67,10 +68,11 @@ def test_keys_of_one_engine_may_differ_from_the_first(cfg: TierStoreConfig) -> N
 def test_up_waits_for_its_actors_with_a_deadline(cfg: TierStoreConfig, tmp_path: Path) -> None:
     """An actor that never answers (here: the Evictor, stalled) fails `tierstore up`'s
     wait after its deadline, naming the actor; it hung before."""
+    handle = start_evictor_for_tests(cfg)
     ensure_actors(cfg)
-    evictor = EvictorClient(ray.get_actor(EVICTOR_NAME, namespace=NAMESPACE))
+    evictor = EvictorClient(handle)
     release = tmp_path / "release"
-    evictor.stall_for_test(str(release), 120.0)
+    handle.stall.remote(str(release), 120.0)
     try:
         wait_for(Path(f"{release}.stalled").exists, "the Evictor stalled", 30.0)
         started = time.monotonic()

@@ -11,19 +11,20 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor, shutdown_actors
+from tierstore.actors.bootstrap import get_or_create_evictor, shutdown_actors
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
+from tests.actors.hooks import disk_locations
 from tests.actors.test_arena_actor import _node_store
 from tests.support import flip_bit, overwrite, poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.tiers.disk import chunk_records
 from tierstore.data.tiers.disk_folder import FOLDER_NAME
 from tierstore.vllm.transfer_specs import StoreSpec
+from tierstore.wire import LookupState
 
 CHUNK = 2 * 96  # one chunk of group 0 in the shared test layout
 
@@ -139,11 +140,13 @@ def test_flipped_and_torn_chunks_become_misses_and_are_counted(
     worker = _worker(disk_cfg, _kv())
     keys = _store_chunks(worker, 10)
     _wait_status(disk_cfg, lambda s: s["nodes"][0]["disk"]["chunks"] == 10)
-    store = find_node_store(disk_cfg.namespace, ray.get_runtime_context().get_node_id())
-    flipped, torn = (ray.get(store.disk_location_for_test.remote(NS, k, 0)) for k in keys[:2])
-    flip_bit(flipped[0], flipped[1] + flipped[2] - 1, 0x40)  # the payload's last byte
+    where = disk_locations(Path(disk_cfg.disk_path))
+    flipped, torn = (where[k] for k in keys[:2])
+    end = flipped.payload_offset + flipped.nbytes
+    flip_bit(flipped.path, end - 1, 0x40)  # the payload's last byte
     # A write cut short: the payload's tail never landed.
-    assert overwrite(torn[0], torn[1] + torn[2] - 8, bytes(8)) != bytes(8)
+    end = torn.payload_offset + torn.nbytes
+    assert overwrite(torn.path, end - 8, bytes(8)) != bytes(8)
 
     states = poll(
         lambda: _lookup(disk_cfg, keys[:2]),

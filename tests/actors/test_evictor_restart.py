@@ -9,9 +9,9 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from tests.support import poll, wait_for
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _lookup, _worker
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState
 from tierstore.errors import ClusterUnavailableError, TierStoreError
 from tierstore.vllm.transfer_specs import StoreSpec
+from tierstore.wire import LookupState
 
 
 def test_killed_evictor_restarts_and_reindexes_every_chunk(cfg: TierStoreConfig) -> None:

@@ -18,11 +18,10 @@ from tests.support import poll, wait_for
 from tests.vllm.test_worker_arena import SRC, _pool_ready
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _lookup, _worker
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState
 from tierstore.keys import ChunkKey, ShardId, TierName
-from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.arena_jobs import ArenaJobs
 from tierstore.vllm.transfer_specs import StoreSpec
+from tierstore.wire import LookupState, ShardEntry
 
 
 def _key(i: int) -> bytes:

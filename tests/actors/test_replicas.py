@@ -26,14 +26,13 @@ from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
 from tests.support import simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.spec import connect_worker
-from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.transfer_specs import LoadSpec
+from tierstore.wire import LookupState, ShardEntry
 
 NAMESPACE = "tierstore-replica-tests"
 NS = Namespace("7e9a")

@@ -15,7 +15,7 @@ from tests.control.test_index_properties import LocalEvictor
 from tierstore.control.index import ChunkIndex, LookupState, ShardOffer, Watermarks
 from tierstore.data.checksum import digest
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
-from tierstore.store.node_store import ShardEntry
+from tierstore.wire import ShardEntry
 
 NS = Namespace("ab")
 A = NodeId("node-a")

@@ -15,9 +15,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support import Answered
 from tierstore.control.index import (
     Actions,
-    AdmitResult,
     ChunkIndex,
     LookupState,
     NodeActions,
@@ -29,7 +29,8 @@ from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
-from tierstore.store.node_store import NodeStoreCore, ShardEntry
+from tierstore.store.node_store import NodeStoreCore
+from tierstore.wire import ShardEntry
 
 NS = Namespace("c0ffee")
 NODES = [NodeId("n0"), NodeId("n1"), NodeId("n2")]  # stores go to n0 and n1
@@ -55,15 +56,17 @@ class LocalEvictor:
             if node != skip and node in self.cores:
                 self.cores[node].apply(node_actions)
 
-    def admit(self, node: NodeId, offers: list[ShardOffer]) -> AdmitResult:
-        result = self.index.admit(node, offers, self.now)
-        self.deliver(result.actions, skip=node)
-        return result
+    def admit(
+        self, node: NodeId, offers: list[ShardOffer]
+    ) -> Answered[tuple[list[bool], NodeActions]]:
+        accepted, actions = self.index.admit(node, offers, self.now)
+        self.deliver(actions, skip=node)
+        return Answered((accepted, actions.get(node, NodeActions())))
 
     def restore(self, node, held, grace=False):  # type: ignore[no-untyped-def]
         accepted, actions = self.index.restore(node, held)
         self.deliver(actions, skip=node)
-        return accepted, actions.get(node, NodeActions())
+        return Answered((accepted, actions.get(node, NodeActions())))
 
     def promoted(
         self, node: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]

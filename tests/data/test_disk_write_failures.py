@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 from tierstore.deploy.bench.soak import disk_tier_fs
 
-from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
+from tests.support import Answered
+from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.disk_health import DISK_RETRY_FIRST_S, DISK_RETRY_MAX_S, DiskHealth
-from tierstore.store.node_store import NodeStoreCore, ShardEntry
+from tierstore.store.node_store import NodeStoreCore
+from tierstore.wire import ShardEntry
 
 NS = Namespace("d15c")
 NODE = NodeId("n1")
@@ -47,12 +49,14 @@ class WriteThroughEvictor:
         self.forgotten: list[ShardId] = []
         self.reports: list[tuple[list[ShardId], int, bool]] = []
 
-    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
+    def admit(
+        self, node_id: NodeId, offers: list[ShardOffer]
+    ) -> Answered[tuple[list[bool], NodeActions]]:
         persist = [ShardId(o.namespace, o.key, o.rank) for o in offers]
-        return AdmitResult([True] * len(offers), {node_id: NodeActions(persist=persist)})
+        return Answered(([True] * len(offers), NodeActions(persist=persist)))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
-        return [True] * len(held), NodeActions()
+        return Answered(([True] * len(held), NodeActions()))
 
     def promoted(self, node_id, done, failed, refused) -> None:  # type: ignore[no-untyped-def]
         pass

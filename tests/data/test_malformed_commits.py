@@ -24,15 +24,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore.control.index import AdmitResult, ChunkIndex, NodeActions, ShardOffer
+from tests.support import Answered
+from tierstore.control.index import ChunkIndex, NodeActions, ShardOffer
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
-from tierstore.store.node_store import NodeStoreCore, ShardEntry
-from tierstore.store.shard_entry import RefusedCommit
+from tierstore.store.node_store import NodeStoreCore
+from tierstore.wire import RefusedCommit, ShardEntry
 
 NS = Namespace("c0c0a1a1")
 NODE = NodeId("node-under-test")
@@ -47,12 +48,15 @@ class IndexPort:
     def __init__(self, index: ChunkIndex) -> None:
         self.index = index
 
-    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
-        return self.index.admit(node_id, offers, 0.0)
+    def admit(
+        self, node_id: NodeId, offers: list[ShardOffer]
+    ) -> Answered[tuple[list[bool], NodeActions]]:
+        accepted, actions = self.index.admit(node_id, offers, 0.0)
+        return Answered((accepted, actions.get(node_id, NodeActions())))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
         accepted, actions = self.index.restore(node_id, held)
-        return accepted, actions.get(node_id, NodeActions())
+        return Answered((accepted, actions.get(node_id, NodeActions())))
 
     def promoted(self, node_id: NodeId, done, failed, refused) -> None:  # type: ignore[no-untyped-def]
         self.index.promoted(node_id, done, failed, refused)

@@ -17,7 +17,8 @@ from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.keys import ChunkKey, ShardId
-from tierstore.store.node_store import NodeStoreCore, ShardEntry
+from tierstore.store.node_store import NodeStoreCore
+from tierstore.wire import ShardEntry
 
 KiB = 1 << 10
 SHARD = 4 * KiB

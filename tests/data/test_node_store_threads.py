@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
+from tests.support import Answered
+from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import StoredShard
 from tierstore.data.tiers.disk import DiskTier
@@ -20,7 +21,8 @@ from tierstore.data.tiers.memory import MemoryTier
 from tierstore.errors import ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.batch_queue import BatchQueue
-from tierstore.store.node_store import NodeStoreCore, ShardEntry
+from tierstore.store.node_store import NodeStoreCore
+from tierstore.wire import ShardEntry
 
 NS = Namespace("abcd")
 NODE = NodeId("n1")
@@ -35,11 +37,13 @@ class AdmitAll:
     def __init__(self) -> None:
         self.forgotten: list[ShardId] = []
 
-    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
-        return AdmitResult([True] * len(offers), {})
+    def admit(
+        self, node_id: NodeId, offers: list[ShardOffer]
+    ) -> Answered[tuple[list[bool], NodeActions]]:
+        return Answered(([True] * len(offers), NodeActions()))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
-        return [True] * len(held), NodeActions()
+        return Answered(([True] * len(held), NodeActions()))
 
     def promoted(
         self, node_id: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
@@ -64,9 +68,11 @@ class AdmitAll:
 class AdmitAllWriteThrough(AdmitAll):
     """Admits every offer and asks for its write-through, as for a node with a disk."""
 
-    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult:
+    def admit(
+        self, node_id: NodeId, offers: list[ShardOffer]
+    ) -> Answered[tuple[list[bool], NodeActions]]:
         persist = [ShardId(o.namespace, o.key, o.rank) for o in offers]
-        return AdmitResult([True] * len(offers), {node_id: NodeActions(persist=persist)})
+        return Answered(([True] * len(offers), NodeActions(persist=persist)))
 
 
 def _key(i: int) -> ChunkKey:

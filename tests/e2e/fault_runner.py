@@ -28,6 +28,7 @@ from typing import Any
 
 import ray
 from tierstore.actors.bootstrap import find_node_store
+from tierstore.actors.clients import NodeStoreClient
 from tierstore.deploy.passes import (
     EngineSpec,
     build_llm,
@@ -37,6 +38,7 @@ from tierstore.deploy.passes import (
     sampling_params,
 )
 
+from tests.actors.hooks import corrupt_in_memory
 from tierstore.errors import ClusterUnavailableError
 
 PROMPT = random_prompt(1000, seed=61)
@@ -45,11 +47,10 @@ _NODE_STORE_WAIT_S = 120.0
 
 
 def _corrupt_all(namespace: str, node: str) -> int:
-    store = find_node_store(namespace, node)
-    shards = [s for s, tier in ray.get(store.inventory.remote()) if tier == "cpu"]
-    for shard in shards:
-        ray.get(store.corrupt_in_memory_for_test.remote(*shard))
-    return len(shards)
+    """Flip a byte of every shard held in ``node``'s arena, writing into the arena file."""
+    store = NodeStoreClient(find_node_store(namespace, node), node)
+    shards = [s for s, tier in store.inventory().result() if tier == "cpu"]
+    return corrupt_in_memory(store, shards) if shards else 0
 
 
 def _kill(store: ray.actor.ActorHandle) -> None:

@@ -238,11 +238,11 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
 def _node_store_views(namespace: str, node_id: str) -> tuple[set[Any], set[Any]]:
     """What the NodeStore holds, and what the Evictor's index believes it holds."""
     import ray
-    from tierstore.actors.calls import shard_id_of
     from tierstore.actors.clients import EvictorClient
     from tierstore.actors.placement import EVICTOR_NAME, node_store_name
 
     from tierstore.keys import TierName
+    from tierstore.wire import shard_id_of
 
     evictor = EvictorClient(ray.get_actor(EVICTOR_NAME, namespace=namespace))
     store = ray.get_actor(node_store_name(node_id), namespace=namespace)

@@ -9,6 +9,8 @@ here with its file, line and the rule it breaks.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +26,7 @@ RAY_FREE = (
     "tierstore.config",
     "tierstore.errors",
     "tierstore.fields",  # checks of what crosses a process boundary
+    "tierstore.wire",  # the messages that cross one, and their decoding
     "tierstore.registry",
     "tierstore.private_files",
 )
@@ -128,3 +131,26 @@ def test_every_module_has_a_layer_and_the_checker_sees_a_wrong_import(tmp_path: 
         "tierstore.actors.clients",
         "tierstore.actors.clients.EvictorClient",
     ]
+
+
+# What a process that only talks to the actors may load of tierstore: the engine's
+# scheduler (the manager) and anything holding a client load no tier, index or store.
+_CLIENT_SIDE_OK = ("tierstore.actors", "tierstore.vllm", "tierstore.wire", "tierstore.fields")
+_CLIENT_SIDE_OK_EXACT = {"tierstore", "tierstore.config", "tierstore.errors", "tierstore.keys"}
+
+
+def test_a_client_side_process_loads_no_tier_index_or_store_code() -> None:
+    code = (
+        "import sys, tierstore.actors.clients, tierstore.vllm.manager;"
+        "print(*sorted(m for m in sys.modules if m.startswith('tierstore')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    loaded = result.stdout.split()
+    assert "tierstore.wire" in loaded
+    assert [
+        m
+        for m in loaded
+        if m not in _CLIENT_SIDE_OK_EXACT and not any(_within(m, p) for p in _CLIENT_SIDE_OK)
+    ] == []

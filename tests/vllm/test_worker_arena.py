@@ -15,6 +15,7 @@ from tierstore.actors.bootstrap import find_node_store
 from tierstore.actors.clients import NodeStoreClient
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
+from tests.actors.hooks import corrupt_in_memory
 from tests.support import poll
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _load_spec, _worker
 from tierstore.config import TierStoreConfig
@@ -268,7 +269,7 @@ def test_a_corrupt_extent_fails_the_load_and_is_never_reported_done(
     _pool_ready(worker)
     keys = _store(worker, 2, 10)
     assert worker.arena.arena_stores >= 1
-    _node_store().corrupt_in_memory_for_test(NS, keys[1], 0).result()
+    corrupt_in_memory(_node_store(), [ShardId(NS, keys[1], 0)])
     worker.submit_load(3, _load_spec(cfg, keys), DST)
     worker.wait({3})
     assert worker.get_finished() == [TransferResult(3, False)]

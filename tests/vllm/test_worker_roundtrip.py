@@ -9,14 +9,15 @@ from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.deploy.cli import collect_status
 from vllm.v1.kv_offload.base import GPULoadStoreSpec, TransferResult
 
+from tests.actors.hooks import corrupt_in_memory
 from tests.support import poll, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupState
 from tierstore.data.layout import ChunkLayout
-from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.spec import connect_worker
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker import TierStoreWorker
+from tierstore.wire import LookupState
 
 NS = Namespace("7e57da7a")
 PAGE_BYTES = (96, 200)  # two groups with different pages, padded rows below
@@ -126,7 +127,7 @@ def test_a_corrupt_chunk_fails_its_load_and_no_block_after_it_is_written(
     keys = _store_job(worker)
     node = NodeId(ray.get_runtime_context().get_node_id())
     store = NodeStoreClient(find_node_store(cfg.namespace, node), node)
-    store.corrupt_in_memory_for_test(NS, keys[0], 0).result()
+    corrupt_in_memory(store, [ShardId(NS, keys[0], 0)])
     before = [t.clone() for t in kv]
     dst = GPULoadStoreSpec([20, 21, 22, 23, 24], group_sizes=[4, 1], block_indices=[0, 0])
     worker.submit_load(3, _load_spec(cfg, keys), dst)

@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from itertools import islice
-from typing import NamedTuple
 
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.wire import EventBatch, ResidencyEvent
+
+__all__ = ["EventBatch", "EventLog", "ResidencyEvent"]
 
 # Entries (one per batch of keys) kept for slow readers: ~100 bytes each plus keys.
 DEFAULT_EVENT_LOG_ENTRIES = 100_000
-
-
-class ResidencyEvent(NamedTuple):
-    seq: int
-    namespace: Namespace
-    node: NodeId
-    tier: TierName
-    removed: bool
-    keys: list[ChunkKey]
-
-
-class EventBatch(NamedTuple):
-    next_seq: int  # pass back as ``after`` next time
-    lost: int  # events this reader missed because the log wrapped
-    events: list[ResidencyEvent]
-    epoch: str = ""  # the log's incarnation: a new one means the Evictor restarted
 
 
 class EventLog:
@@ -46,7 +32,7 @@ class EventLog:
         self.epoch = uuid.uuid4().hex
 
     def snapshot(
-        self, namespace: Namespace, held: dict[NodeId, Iterable[tuple[ShardId, TierName]]]
+        self, namespace: Namespace, held: Mapping[NodeId, Iterable[tuple[ShardId, TierName]]]
     ) -> EventBatch:
         """``held`` (every node's copies, as the index has them now) as events that a
         reader applies before the log's next entry: a picture that need not start at 0."""

@@ -1,7 +1,8 @@
-"""The chunk index's data model: what crosses its API and what it keeps per chunk.
+"""The chunk index's data model: what its API returns and what it keeps per chunk.
 
-The public types (offers, lookup answers, actions, stats, watermarks) are re-exported by
-:mod:`tierstore.control.index`, where the rest of the code imports them from. The records
+The messages its API takes and gives (offers, lookup answers, actions) are those that
+cross the wire (:mod:`tierstore.wire`); they and the index's own results (stats,
+watermarks, :class:`AdmitResult`) are re-exported by :mod:`tierstore.control.index`. The records
 (:class:`Shard`, :class:`Chunk`, :class:`Unit`, :class:`TierAccount`) are the index's own
 state, shared by its parts and never handed out.
 """
@@ -10,22 +11,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from tierstore import fields
-from tierstore.fields import (
-    MAX_SHARD_BYTES,
-    MalformedField,
-    check_shard_id,
-    chunk_key,
-    integer,
-    parent_key,
-    rank_in,
-    row,
-)
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
+
+# Re-exported: the index's API takes and gives these messages (tierstore.control.index).
+from tierstore.wire import LookupAnswer as LookupAnswer
+from tierstore.wire import LookupState as LookupState
+from tierstore.wire import NodeActions, ShardOffer
 
 logger = logging.getLogger(__name__)
 
@@ -38,78 +32,6 @@ class ChunkId(NamedTuple):
 class UnitId(NamedTuple):
     namespace: Namespace
     boundary: bytes
-
-
-class ShardOffer(NamedTuple):
-    """A shard a NodeStore wants to hold (or already holds, when re-registering)."""
-
-    namespace: Namespace
-    key: ChunkKey
-    rank: int
-    world_size: int
-    nbytes: int
-    parent: bytes | None = None
-
-
-def check_offer(value: object, field: str = "offer") -> ShardOffer:
-    """An offer from a NodeStore (a ShardOffer, or the tuple msgpack made of one), every
-    field's type and range checked, rebuilt. Raises MalformedField naming the field."""
-    namespace, key, rank, world_size, nbytes, *parent = row(field, value, 5, 6)
-    checked_key = chunk_key(f"{field}.key", key)
-    rank, world_size = rank_in(field, rank, world_size)
-    return ShardOffer(
-        fields.namespace(f"{field}.namespace", namespace),
-        checked_key,
-        rank,
-        world_size,
-        integer(f"{field}.nbytes", nbytes, 1, MAX_SHARD_BYTES),
-        parent_key(f"{field}.parent", parent[0] if parent else None, checked_key),
-    )
-
-
-def check_held(value: object, field: str = "held") -> tuple[ShardOffer, TierName]:
-    """A copy a NodeStore offers at restore: ``(offer, tier)``, checked."""
-    offer, tier = row(field, value, 2, 2)
-    if not isinstance(tier, str) or tier not in {t.value for t in TierName}:
-        raise MalformedField(f"{field}.tier", tier, "not a tier")
-    return check_offer(offer, f"{field}.offer"), TierName(tier)
-
-
-def held_shard(value: object) -> ShardId | None:
-    """The shard a malformed held copy names, if that much of it is readable (the node
-    is told to drop its copy: the index will not count it), else None."""
-    try:
-        offer = row("held", value, 2, 2)[0]
-        return check_shard_id(row("held.offer", offer, 5, 6)[:3])
-    except MalformedField:
-        return None
-
-
-class LookupState(str, Enum):
-    HIT = "hit"
-    MISS = "miss"
-    PENDING = "pending"  # present, being verified by its promotion from disk: ask again
-
-
-class LookupAnswer(NamedTuple):
-    state: LookupState
-    where: dict[int, NodeId] | None = None  # rank -> node, for a HIT
-    # Where a HIT's bytes are read from: DISK when any rank may be loaded from its disk
-    # copy (not in memory, or its promotion still under way). None unless a HIT.
-    tier: TierName | None = None
-
-
-@dataclass
-class NodeActions:
-    drop: list[ShardId] = field(default_factory=list)  # delete every copy
-    demote: list[ShardId] = field(default_factory=list)  # to disk (write if needed), free memory
-    promote: list[ShardId] = field(default_factory=list)  # read the disk copy into memory
-    persist: list[ShardId] = field(default_factory=list)  # write-through: copy memory to disk
-    # Send a copy of a held shard to another node's CPU tier (a replica of a hot chunk).
-    push: list[tuple[ShardId, NodeId]] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.drop or self.demote or self.promote or self.persist or self.push)
 
 
 Actions = dict[NodeId, NodeActions]

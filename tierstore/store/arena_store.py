@@ -15,15 +15,16 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tierstore.data.arena.region import RegionInfo
 from tierstore.data.tiers.arena import ArenaTier
-from tierstore.data.tiers.base import ShardMeta, StoredShard
+from tierstore.data.tiers.base import StoredShard
 from tierstore.errors import TierStoreError
 from tierstore.fields import holder_id
 from tierstore.keys import ChunkKey, Namespace, ShardId
-from tierstore.store.shard_entry import (
+from tierstore.wire import (
     MalformedField,
+    RegionInfo,
     ShardEntry,
+    ShardMeta,
     check_job,
     check_origin,
     job_lists,
@@ -77,7 +78,7 @@ class ArenaStore:
         copy); the rest go back to the arena. ``jobs``: the entries of each of the
         worker's store jobs, in order.
 
-        Every entry is checked first (:mod:`tierstore.store.shard_entry`): a job with a
+        Every entry is checked first (:func:`tierstore.wire.check_job`): a job with a
         malformed one is refused whole, counted and logged, and nothing is changed for
         it (its extents stay granted: the worker gives them back); the other jobs go on.
         A malformed call (holder, namespace, rank, the list of jobs) raises
@@ -181,7 +182,7 @@ class ArenaStore:
         worker's digest; reading it back verifies)."""
         view = self.tier.region.view(offset, meta.nbytes)
         try:
-            return self._core.keep(shard_id, StoredShard(meta, view), to_disk=True)
+            return self._core.hold(shard_id, StoredShard(meta, view), to_disk=True)
         finally:
             self.tier.give_back(holder, [offset])
 

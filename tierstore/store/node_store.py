@@ -38,30 +38,38 @@ from typing import TypeVar
 
 import numpy as np
 
-from tierstore.control.index import NodeActions, ShardOffer
 from tierstore.data.checksum import digest
-from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
+from tierstore.data.tiers.base import StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.disk_health import DiskHealth, os_error_of
 from tierstore.store.ports import EvictorPort, PeerPort
-from tierstore.store.replicas import Replicas, shard_id_of
-from tierstore.store.shard_entry import (
+from tierstore.store.replicas import Replicas
+from tierstore.store.stats import NodeStoreStats, tier_status
+from tierstore.wire import (
     MalformedField,
+    NodeActions,
     RefusedCommit,
     ShardEntry,
+    ShardMeta,
+    ShardOffer,
     buffer_room,
     check_job,
     check_origin,
 )
-from tierstore.store.stats import NodeStoreStats, tier_status
 
-__all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "ShardEntry"]
+__all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Deadlines of the Evictor's answers a NodeStore waits on. The Evictor answers in
+# milliseconds; these bound a store while it is stuck or restarting (the worker's own
+# transfer deadline is what fails the job). A restore offers a node's whole inventory.
+ADMIT_TIMEOUT_S = 30.0
+RESTORE_TIMEOUT_S = 120.0
 
 
 class Promotion(Enum):
@@ -124,7 +132,8 @@ class NodeStoreCore(Replicas):
         if not held:
             self._report_disk([])
             return 0
-        accepted, actions = self.evictor.restore(self.node_id, held, after_evictor_restart)
+        reply = self.evictor.restore(self.node_id, held, after_evictor_restart)
+        accepted, actions = reply.result(RESTORE_TIMEOUT_S)
         self.apply(actions)  # reports a degraded disk tier too
         return sum(accepted)
 
@@ -141,7 +150,7 @@ class NodeStoreCore(Replicas):
 
         Control thread. Blocks on the Evictor's ``admit`` (its deadline) with no lock
         held, so loads go on meanwhile. A malformed entry (see
-        :mod:`tierstore.store.shard_entry`) refuses the job: RefusedCommit, nothing changed."""
+        :func:`tierstore.wire.check_job`) refuses the job: RefusedCommit, nothing changed."""
         try:
             namespace, rank, world_size = check_origin(namespace, rank, world_size)
             entries = check_job(entries, buffer_room(buffer))
@@ -164,7 +173,7 @@ class NodeStoreCore(Replicas):
                 lost.append(shard_id)
                 continue
             meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
-            if not self.keep(shard_id, StoredShard(meta, data), shard_id in to_disk):
+            if not self.hold(shard_id, StoredShard(meta, data), shard_id in to_disk):
                 lost.append(shard_id)
                 continue
             kept += 1
@@ -188,18 +197,15 @@ class NodeStoreCore(Replicas):
             ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
         ]
         self._report_disk([])  # a degraded disk tier's retry falls due: writes planned again
-        decision = self.evictor.admit(self.node_id, offers)
-        own = decision.actions.get(self.node_id, NodeActions())
+        accepted, own = self.evictor.admit(self.node_id, offers).result(ADMIT_TIMEOUT_S)
         batch = {
-            ShardId(namespace, e.key, rank)
-            for e, accepted in zip(entries, decision.accepted, strict=True)
-            if accepted
+            ShardId(namespace, e.key, rank) for e, ok in zip(entries, accepted, strict=True) if ok
         }
-        to_disk = {s for s in map(shard_id_of, own.demote) if s in batch}
+        to_disk = {s for s in own.demote if s in batch}
         # Room first; the write-through copies only once the shards are in memory.
-        demote = [s for s in own.demote if shard_id_of(s) not in to_disk]
+        demote = [s for s in own.demote if s not in to_disk]
         self.apply(NodeActions(drop=own.drop, demote=demote, promote=own.promote))
-        return list(decision.accepted), to_disk, list(own.persist)
+        return list(accepted), to_disk, list(own.persist)
 
     def settle_store(self, lost: list[ShardId], persist: list[ShardId]) -> None:
         """After a store: forget what was admitted but not kept; queue the write-through."""
@@ -210,7 +216,7 @@ class NodeStoreCore(Replicas):
             assert self.defer is not None
             self.defer(persist)
 
-    def keep(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
+    def hold(self, shard_id: ShardId, shard: StoredShard, to_disk: bool) -> bool:
         """Hold an admitted shard in memory, or ``to_disk`` (demoted on admission): written
         in the store call, since the CPU tier has no room to hold it until later (not
         kept if that write fails or the disk tier is degraded)."""
@@ -237,11 +243,11 @@ class NodeStoreCore(Replicas):
 
         Control thread; disk writes and reads happen here, outside every lock."""
         self.drop(actions.drop)
-        lost = [s for s in map(shard_id_of, actions.demote) if not self._demote(s)]
+        lost = [s for s in actions.demote if not self._demote(s)]
         outcomes: dict[Promotion, list[ShardId]] = {p: [] for p in Promotion}
-        for shard_id in map(shard_id_of, actions.promote):
+        for shard_id in actions.promote:
             outcomes[self._promote(shard_id)].append(shard_id)
-        gone, unwritten = self._persist(map(shard_id_of, actions.persist))
+        gone, unwritten = self._persist(actions.persist)
         lost += gone
         if lost:
             self.evictor.forget_shards(self.node_id, lost)
@@ -264,7 +270,7 @@ class NodeStoreCore(Replicas):
 
     def drop(self, shard_ids: list[ShardId]) -> int:
         freed = 0
-        for shard_id in map(shard_id_of, shard_ids):
+        for shard_id in shard_ids:
             with self._disk_lock:
                 freed += self.cpu.delete(shard_id)
                 if self.disk is not None:
@@ -360,9 +366,13 @@ class NodeStoreCore(Replicas):
         if self.disk is None:
             return Promotion.FAILED
         disk = self.disk
+
+        def read(out: np.ndarray) -> None:
+            disk.read_into(shard_id, out)
+
         try:  # read straight into the CPU tier's extent, verified there; the disk copy
             # stays, so a later demotion is free
-            self.cpu.fill(shard_id, disk.meta(shard_id), lambda out: disk.read_into(shard_id, out))
+            self.cpu.fill(shard_id, disk.meta(shard_id), read)
         except ChunkNotFoundError:
             return Promotion.FAILED
         except ChunkCorruptError:
@@ -457,10 +467,6 @@ class NodeStoreCore(Replicas):
     def _stats_snapshot(self) -> dict[str, int]:
         with self._stats_lock:
             return dict(vars(self.stats))
-
-    def corrupt_in_memory(self, shard_id: ShardId) -> None:
-        """Flip one byte of a shard held in memory (tests prove it is never served)."""
-        self.cpu.get(shard_id_of(shard_id)).data[0] ^= 0xFF
 
 
 def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:

@@ -1,50 +1,53 @@
-"""What the Ray-free store asks of the cluster, as Protocols (the actors implement them).
+"""What the Ray-free store asks of the cluster, as Protocols.
 
-Each port method carries the name and parameters of the actor method behind it
-(``tests/actors/test_ports.py`` compares them), so the two cannot drift apart.
+:class:`EvictorPort` is the part of the Evictor's client
+(``tierstore.actors.clients.EvictorClient``) a NodeStore calls: the client is passed in
+as it is, and ``tests/actors/test_ports.py`` holds each method to the client's and the
+actor's names and parameters; an in-process Evictor (a test's) implements it too.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import numpy as np
 
-from tierstore.control.index import AdmitResult, NodeActions, ShardOffer
-from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId, ShardId, TierName
+from tierstore.wire import NodeActions, Reply, ShardMeta, ShardOffer
 
-T_co = TypeVar("T_co", covariant=True)
+__all__ = ["EvictorPort", "PeerPort", "Reply"]
 
-
-class Reply(Protocol[T_co]):
-    """A remote call in flight: ``result`` blocks until its answer (or its deadline)."""
-
-    def result(self, timeout_s: float | None = None) -> T_co: ...
+# An admit's answer: one flag per offer, and the asking node's own actions.
+Decision = tuple[list[bool], NodeActions]
 
 
 class EvictorPort(Protocol):
-    """What a NodeStore asks of the Evictor. ``admit``/``restore`` answer; the rest are one-way."""
+    """What a NodeStore asks of the Evictor. Each call is sent at once and returns its
+    :class:`~tierstore.wire.Reply`: ``admit``/``restore`` are waited for (with the
+    NodeStore's deadlines); the rest are one-way (the reply is dropped). Called from the
+    NodeStore's control and write-through threads, never with a lock held."""
 
-    def admit(self, node_id: NodeId, offers: list[ShardOffer]) -> AdmitResult: ...
+    def admit(self, node_id: str, offers: list[ShardOffer]) -> Reply[Decision]: ...
 
     def restore(
-        self, node_id: NodeId, held: list[tuple[ShardOffer, TierName]], grace: bool = False
-    ) -> tuple[list[bool], NodeActions]: ...
+        self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
+    ) -> Reply[Decision]: ...
 
     def promoted(
-        self, node_id: NodeId, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
-    ) -> None: ...
+        self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> Reply[None]: ...
 
-    def forget_shards(self, node_id: NodeId, shard_ids: list[ShardId]) -> None: ...
+    def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> Reply[None]: ...
 
-    def report_corrupt_after_hit(self, node_id: NodeId, shard_ids: list[ShardId]) -> None: ...
+    def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> Reply[None]: ...
 
     def report_disk_writes(
-        self, node_id: NodeId, unwritten: list[ShardId], failures: int, writable: bool
-    ) -> None: ...
+        self, node_id: str, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> Reply[None]: ...
 
-    def replicated(self, node_id: NodeId, done: list[ShardId], failed: list[ShardId]) -> None: ...
+    def replicated(
+        self, node_id: str, done: list[ShardId], failed: list[ShardId]
+    ) -> Reply[None]: ...
 
 
 class PeerPort(Protocol):

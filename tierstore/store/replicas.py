@@ -13,19 +13,14 @@ from collections.abc import Callable
 import numpy as np
 
 from tierstore.data.checksum import digest
-from tierstore.data.tiers.base import ShardMeta, StoredShard, Tier
+from tierstore.data.tiers.base import StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.keys import NodeId, ShardId
 from tierstore.store.ports import EvictorPort, PeerPort
+from tierstore.wire import ShardMeta
 
 logger = logging.getLogger(__name__)
-
-
-def shard_id_of(value: ShardId | tuple) -> ShardId:
-    """Ray hands NamedTuples back as tuples when nested; restore the type."""
-    namespace, key, rank = value
-    return ShardId(Namespace(namespace), ChunkKey(key), int(rank))
 
 
 class Replicas:
@@ -42,7 +37,7 @@ class Replicas:
         """Send each shard (verified first: a bad one is never spread) to its node."""
         by_node: dict[NodeId, list[ShardId]] = {}
         for shard_id, node in pushes:
-            by_node.setdefault(NodeId(node), []).append(shard_id_of(shard_id))
+            by_node.setdefault(node, []).append(shard_id)
         for node, shard_ids in by_node.items():
             with self.cpu.reading():  # no extent read here is reused until they are put
                 self._push_to(node, shard_ids)
@@ -95,7 +90,6 @@ class Replicas:
             logger.warning("%d arrays for %d replica shards; none kept", len(views), len(shards))
             views = []
         for i, (shard_id, meta) in enumerate(shards):
-            shard_id = shard_id_of(shard_id)
             data = views[i] if i < len(views) else np.empty(0, dtype=np.uint8)
             if not self.cpu.copies_on_put:
                 data = np.array(data, copy=True)

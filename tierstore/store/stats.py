@@ -31,7 +31,7 @@ class NodeStoreStats:
     corrupt_on_store: int = 0
     corrupt_before_hit: int = 0
     corrupt_after_hit: int = 0
-    refused_commits: int = 0  # store jobs refused whole: a malformed field (shard_entry)
+    refused_commits: int = 0  # store jobs refused whole: a malformed field (wire.check_job)
 
 
 def tier_status(tier: Tier | None) -> dict[str, int]:

@@ -37,13 +37,11 @@ from tierstore.data.arena.directory import Located
 from tierstore.data.arena.generations import UNPINNED_READS
 from tierstore.data.checksum import digest
 from tierstore.data.layout import JobPlan
-from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import NodeId, ShardId
-from tierstore.store.node_store import ShardEntry
-from tierstore.store.shard_entry import RefusedCommit
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
+from tierstore.wire import RefusedCommit, ShardEntry, ShardMeta
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +212,7 @@ class ArenaJobs:
         """Commit thread: hand filled extents to the NodeStore with their digests (hashed
         here, off the model-runner thread), one call per arena and namespace, each job's
         entries apart (the NodeStore refuses a job whole, see
-        :mod:`tierstore.store.shard_entry`). Returns the commits its new arena did not
+        :func:`tierstore.wire.check_job`). Returns the commits its new arena did not
         adopt (it restarted: send :meth:`job_bytes` instead) and those that failed: the
         call, or the NodeStore refused the job (extents given back)."""
         stale: list[Commit] = []

@@ -24,11 +24,11 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from tierstore.control.events import EventBatch, ResidencyEvent
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
 from tierstore.vllm.evictor_channel import EvictorChannel
 from tierstore.vllm.metrics import ManagerMetrics
 from tierstore.vllm.residency import EventQueue
+from tierstore.wire import EventBatch, ResidencyEvent
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
-from tierstore.control.events import EventBatch
-from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.keys import ChunkKey, Namespace
-from tierstore.store.ports import Reply
 from tierstore.vllm.cpu_affinity import leave_compute_cores
+from tierstore.wire import EventBatch, LookupAnswer, LookupState, Reply
 
 logger = logging.getLogger(__name__)
 

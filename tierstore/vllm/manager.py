@@ -40,7 +40,6 @@ from vllm.v1.kv_offload.base import (
 )
 
 from tierstore.config import TierStoreConfig
-from tierstore.control.index import LookupAnswer, LookupState
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of
 from tierstore.vllm import metrics
@@ -50,6 +49,7 @@ from tierstore.vllm.request_state import Answer, RequestState
 from tierstore.vllm.residency import MEDIUMS, EventQueue, locality
 from tierstore.vllm.stored_keys import StoredKeys
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
+from tierstore.wire import LookupAnswer, LookupState
 
 logger = logging.getLogger(__name__)
 

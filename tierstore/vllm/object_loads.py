@@ -29,13 +29,12 @@ import numpy as np
 
 from tierstore.data.checksum import digest
 from tierstore.data.layout import JobPlan
-from tierstore.data.tiers.base import ShardMeta
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierStoreError
 from tierstore.keys import NodeId
-from tierstore.store.ports import Reply
 from tierstore.vllm.device_copy import Scatter
 from tierstore.vllm.transfer_specs import LoadSpec
 from tierstore.vllm.worker_ports import Loaded, WorkerPorts
+from tierstore.wire import Reply, ShardMeta
 
 logger = logging.getLogger(__name__)
 

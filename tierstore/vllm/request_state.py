@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
-from tierstore.control.index import LookupState
 from tierstore.keys import ChunkKey, NodeId, TierName, group_of
+from tierstore.wire import LookupState
 
 # A MISS is trusted this long, then asked again: another engine may have stored it since.
 MISS_TTL_S = 1.0

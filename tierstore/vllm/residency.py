@@ -7,8 +7,8 @@ from collections.abc import Iterable
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
-from tierstore.control.events import ResidencyEvent
 from tierstore.keys import NodeId, TierName
+from tierstore.wire import ResidencyEvent
 
 MEDIUMS = {TierName.CPU: Medium.CPU, TierName.DISK: Medium.STORAGE}
 

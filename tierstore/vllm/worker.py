@@ -53,7 +53,6 @@ from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.errors import TierStoreError
 from tierstore.store.batch_queue import BatchQueue
-from tierstore.store.node_store import ShardEntry
 from tierstore.vllm.arena_jobs import ArenaJobs, Commit, PendingCommits
 from tierstore.vllm.cpu_affinity import leave_compute_cores
 from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
@@ -61,6 +60,7 @@ from tierstore.vllm.object_loads import ObjectLoads
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
 from tierstore.vllm.worker_ports import NodeStoreCalls, WorkerPorts
+from tierstore.wire import ShardEntry
 
 logger = logging.getLogger(__name__)
 

@@ -26,12 +26,10 @@ from tierstore.data.arena.directory import EMPTY_BYTES, ShardDirectory, arena_ta
 from tierstore.data.arena.generations import Generations
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.pool import ExtentPool
-from tierstore.data.arena.region import ArenaMapping, RegionInfo
-from tierstore.data.tiers.base import ShardMeta
+from tierstore.data.arena.region import ArenaMapping
 from tierstore.keys import ChunkKey, Namespace
-from tierstore.store.node_store import ShardEntry
-from tierstore.store.ports import Reply
 from tierstore.vllm.cpu_affinity import leave_compute_cores
+from tierstore.wire import RegionInfo, Reply, ShardEntry, ShardMeta
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,9 @@ from typing import Protocol
 
 import numpy as np
 
-from tierstore.data.tiers.base import ShardMeta
 from tierstore.keys import ChunkKey, Namespace, NodeId
-from tierstore.store.node_store import ShardEntry
-from tierstore.store.ports import Reply
 from tierstore.vllm.worker_arena import ArenaCalls
+from tierstore.wire import Reply, ShardEntry, ShardMeta
 
 # A load's answer: the shards (read-only arrays, in key order) and their metas.
 Loaded = tuple[list[np.ndarray], list[ShardMeta]]

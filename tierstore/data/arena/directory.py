@@ -47,9 +47,9 @@ import xxhash
 
 from tierstore.data.arena.allocator import DEFAULT_ALIGN
 from tierstore.data.arena.generations import Generations
-from tierstore.data.tiers.base import ShardMeta
 from tierstore.fields import MAX_SLOTS
 from tierstore.keys import ShardId
+from tierstore.wire import ShardMeta
 
 MAX_DIRECTORY_BYTES = 1 << 28  # 4M entries: 256 MiB of an arena of 64 GiB or more
 _WORDS = 8  # uint64 words per entry: one cache line

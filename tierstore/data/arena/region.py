@@ -39,7 +39,6 @@ import re
 import stat
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +47,7 @@ from tierstore.data.arena.locks import describe_holders, unlink_if_free
 from tierstore.data.arena.orphans import sweep_orphans
 from tierstore.errors import TierStoreError
 from tierstore.private_files import UnsafePathError, check_private, user_dir
+from tierstore.wire import RegionInfo
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +65,6 @@ _HELD_POLL_S = 0.1
 
 class ArenaError(TierStoreError):
     """The arena cannot be created or mapped."""
-
-
-@dataclass(frozen=True)
-class RegionInfo:
-    """What a worker needs to map the arena (sent to it by the NodeStore)."""
-
-    path: str
-    nbytes: int
-    epoch: str  # fresh per creation: a replaced file is never mistaken for this one
-    dev: int  # the file the NodeStore created: a worker maps only this one
-    inode: int
 
 
 def check_name(what: str, value: object) -> str:

@@ -11,17 +11,9 @@ import numpy as np
 
 from tierstore.errors import ChunkNotFoundError, TierFullError
 from tierstore.keys import ShardId
+from tierstore.wire import ShardMeta
 
-
-@dataclass(frozen=True)
-class ShardMeta:
-    """What is known of a shard's bytes besides the bytes themselves."""
-
-    nbytes: int
-    digest: int  # xxh3-64 of the bytes, computed by the producing worker
-    slot_mask: int  # bit i set = sub-slot i of the chunk holds data that was written
-    world_size: int = 1  # ranks that make the chunk whole (kept for restart recovery)
-    parent: bytes | None = None  # previous chunk key of the same group in its prefix chain
+__all__ = ["ShardMeta", "StoredShard", "Tier"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,402 @@
+"""Every message that crosses a process boundary, each with its one decode step.
+
+Who sends what (each arrow a Ray call, or for the arena a word in shared memory):
+
+- a worker -> its NodeStore: :class:`ShardEntry` records of a store job (checked whole,
+  :func:`check_job`, before anything changes); the NodeStore answers with
+  :class:`ShardMeta` (loads, pins) and :class:`RegionInfo` (the arena to map);
+- a NodeStore -> the Evictor: :class:`ShardOffer` (admit, restore) and ShardIds
+  (reports), each item checked as it is decoded: a malformed one is refused, the rest
+  go on; the Evictor answers with :class:`NodeActions` (and one-way sends a NodeStore
+  its share of a decision);
+- a NodeStore -> another NodeStore: replica shards, ``(ShardId, ShardMeta)`` each;
+- the scheduler -> the Evictor: lookups, answered with :class:`LookupAnswer`, and
+  residency events (:class:`EventBatch`).
+
+Ray serializes with msgpack first: a NamedTuple nested in a list arrives as a plain
+list, an enum as its value, a dataclass as itself (pickled). The ``*_of`` functions
+rebuild tierstore's types; the ``check_*`` ones also check every field of a message
+from a process that is trusted with nothing (:mod:`tierstore.fields`), raising
+:class:`~tierstore.fields.MalformedField`. Clients apply them to answers, actors to
+arguments: nothing else converts. Ray-free, vLLM-free, and light: a process that only
+talks to the actors (the engine's scheduler and workers) loads no tier or index code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from tierstore import fields
+from tierstore.config import TierStoreConfig
+from tierstore.errors import TierStoreError
+from tierstore.fields import (
+    MAX_SHARD_BYTES,
+    MAX_SLOTS,
+    MalformedField,
+    check_shard_id,
+    chunk_key,
+    integer,
+    items,
+    parent_key,
+    rank_in,
+    row,
+)
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+MAX_ENTRIES = 1 << 20  # shards of one call (a 32k-token prefill of 16-token blocks: 2048)
+MAX_ITEMS = 1 << 32  # of one list a NodeStore sends the Evictor (its inventory, at restore)
+_ENTRY_FIELDS = len(("key", "offset", "nbytes", "digest", "slot_mask", "parent"))
+
+
+class Reply(Protocol[T_co]):
+    """A remote call in flight: ``result`` blocks the calling thread until its answer,
+    decoded, or its deadline (default: the caller's deadline for the call), and raises
+    tierstore's error for a failed call. A one-way caller drops it."""
+
+    def result(self, timeout_s: float | None = None) -> T_co: ...
+
+
+# ---- shards -------------------------------------------------------------------------------
+def shard_id_of(value: Iterable[Any]) -> ShardId:
+    """A ShardId Ray flattened (a list), rebuilt; not checked (it came from an actor)."""
+    namespace, key, rank = value
+    return ShardId(Namespace(namespace), ChunkKey(key), int(rank))
+
+
+def shard_ids_of(values: Iterable[Iterable[Any]]) -> list[ShardId]:
+    return [shard_id_of(v) for v in values]
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """What is known of a shard's bytes besides the bytes themselves."""
+
+    nbytes: int
+    digest: int  # xxh3-64 of the bytes, computed by the producing worker
+    slot_mask: int  # bit i set = sub-slot i of the chunk holds data that was written
+    world_size: int = 1  # ranks that make the chunk whole (kept for restart recovery)
+    parent: bytes | None = None  # previous chunk key of the same group in its prefix chain
+
+
+def metas_of(values: Iterable[Any]) -> list[ShardMeta]:
+    return [v if isinstance(v, ShardMeta) else ShardMeta(*v) for v in values]
+
+
+def replicas_of(values: Iterable[Any]) -> list[tuple[ShardId, ShardMeta]]:
+    """``accept_replicas``' shards: ``(ShardId, ShardMeta)`` each, from another NodeStore."""
+    pairs = list(values)
+    return list(zip(shard_ids_of(s for s, _ in pairs), metas_of(m for _, m in pairs), strict=True))
+
+
+def pins_of(values: Iterable[Any]) -> list[tuple[int, ShardMeta]]:
+    """``arena_pin``'s answer: ``(offset, meta)`` per key."""
+    pins = list(values)
+    return list(zip([int(at) for at, _ in pins], metas_of(m for _, m in pins), strict=True))
+
+
+# ---- a worker's store job -----------------------------------------------------------------
+class ShardEntry(NamedTuple):
+    """Where one shard sits in a job buffer or in the arena, as the worker packed it."""
+
+    key: ChunkKey
+    offset: int
+    nbytes: int
+    digest: int
+    slot_mask: int
+    parent: bytes | None = None
+
+
+class RefusedCommit(TierStoreError, ValueError):
+    """A store job its NodeStore refused, a field of it malformed (the message says
+    which): nothing was kept or changed for it; the worker counts a failed store."""
+
+
+def check_entry(value: object, field: str = "entry") -> ShardEntry:
+    """``value`` (a ShardEntry, or the list msgpack made of one) with every field's type
+    and range checked, rebuilt of plain ints and bytes. Raises MalformedField."""
+    values = row(field, value, _ENTRY_FIELDS - 1, _ENTRY_FIELDS)
+    key = chunk_key(f"{field}.key", values[0])
+    return ShardEntry(
+        key,
+        integer(f"{field}.offset", values[1], 0, MAX_SHARD_BYTES),
+        integer(f"{field}.nbytes", values[2], 1, MAX_SHARD_BYTES),
+        integer(f"{field}.digest", values[3], 0, 1 << 64),
+        integer(f"{field}.slot_mask", values[4], 0, 1 << MAX_SLOTS),
+        parent_key(f"{field}.parent", values[5] if len(values) == _ENTRY_FIELDS else None, key),
+    )
+
+
+def check_job(
+    values: Sequence[object], room_at: Callable[[int], int | None], field: str = "job"
+) -> list[ShardEntry]:
+    """One job's entries, each checked (:func:`check_entry`) and lying where it must:
+    ``room_at(offset)`` is the bytes the worker may have written from ``offset`` on (the
+    rest of its job buffer, or the extent granted to it there), None if none. No two
+    entries of the job share a key or an offset. Raises MalformedField.
+
+    One bad entry refuses its whole job: a job's entries come from one plan and one pool
+    take, so one that is wrong says the rest of the job cannot be trusted either."""
+    entries = [
+        check_entry(v, f"{field}[{i}]") for i, v in enumerate(items(field, values, MAX_ENTRIES))
+    ]
+    offsets: set[int] = set()
+    keys: set[bytes] = set()
+    for i, entry in enumerate(entries):
+        room = room_at(entry.offset)
+        if room is None:
+            raise MalformedField(f"{field}[{i}].offset", entry.offset, "not the caller's to fill")
+        if entry.nbytes > room:
+            raise MalformedField(f"{field}[{i}].nbytes", entry.nbytes, f"past the {room} there")
+        if entry.offset in offsets:
+            raise MalformedField(f"{field}[{i}].offset", entry.offset, "twice in one job")
+        if entry.key in keys:
+            raise MalformedField(f"{field}[{i}].key", entry.key, "twice in one job")
+        offsets.add(entry.offset)
+        keys.add(entry.key)
+    return entries
+
+
+def job_lists(value: object) -> list[list[object]]:
+    """A commit's jobs: a list of lists of entries, :data:`MAX_ENTRIES` in all at most
+    (each entry is checked with its job, :func:`check_job`)."""
+    jobs = [
+        items(f"jobs[{i}]", j, MAX_ENTRIES) for i, j in enumerate(items("jobs", value, MAX_ENTRIES))
+    ]
+    if sum(map(len, jobs)) > MAX_ENTRIES:
+        raise MalformedField("jobs", f"{sum(map(len, jobs))} entries", f"more than {MAX_ENTRIES}")
+    return jobs
+
+
+def check_origin(
+    namespace_: object, rank: object, world_size: object
+) -> tuple[Namespace, int, int]:
+    """A store call's namespace, rank and world size (those of all of its entries)."""
+    return (fields.namespace("namespace", namespace_), *rank_in("worker", rank, world_size))
+
+
+def buffer_room(buffer: object) -> Callable[[int], int | None]:
+    """``room_at`` of a job buffer (the object path): one contiguous 1-D uint8 array."""
+    if not (
+        isinstance(buffer, np.ndarray)
+        and buffer.dtype == np.uint8
+        and buffer.ndim == 1
+        and buffer.flags.c_contiguous
+    ):
+        shape = getattr(buffer, "shape", None)
+        raise MalformedField("buffer", f"{type(buffer).__name__} {shape}", "not 1-D uint8 bytes")
+    nbytes = buffer.nbytes
+    return lambda offset: nbytes - offset if offset < nbytes else None
+
+
+# ---- the arena ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RegionInfo:
+    """What a worker needs to map the arena (sent to it by the NodeStore)."""
+
+    path: str
+    nbytes: int
+    epoch: str  # fresh per creation: a replaced file is never mistaken for this one
+    dev: int  # the file the NodeStore created: a worker maps only this one
+    inode: int
+
+
+def arena_info_of(value: Any) -> tuple[RegionInfo | None, int]:
+    """``arena_info``'s answer: the region (None: this node has no arena) and its room."""
+    region, room = value
+    if region is not None and not isinstance(region, RegionInfo):
+        region = RegionInfo(*region)
+    return region, int(room)
+
+
+# ---- a NodeStore's offers -----------------------------------------------------------------
+class ShardOffer(NamedTuple):
+    """A shard a NodeStore wants to hold (or already holds, when re-registering)."""
+
+    namespace: Namespace
+    key: ChunkKey
+    rank: int
+    world_size: int
+    nbytes: int
+    parent: bytes | None = None
+
+
+def check_offer(value: object, field: str = "offer") -> ShardOffer:
+    """An offer from a NodeStore (a ShardOffer, or the list msgpack made of one), every
+    field's type and range checked, rebuilt. Raises MalformedField naming the field."""
+    namespace, key, rank, world_size, nbytes, *parent = row(field, value, 5, 6)
+    checked_key = chunk_key(f"{field}.key", key)
+    rank, world_size = rank_in(field, rank, world_size)
+    return ShardOffer(
+        fields.namespace(f"{field}.namespace", namespace),
+        checked_key,
+        rank,
+        world_size,
+        integer(f"{field}.nbytes", nbytes, 1, MAX_SHARD_BYTES),
+        parent_key(f"{field}.parent", parent[0] if parent else None, checked_key),
+    )
+
+
+def check_held(value: object, field: str = "held") -> tuple[ShardOffer, TierName]:
+    """A copy a NodeStore offers at restore: ``(offer, tier)``, checked."""
+    offer, tier = row(field, value, 2, 2)
+    if not isinstance(tier, str) or tier not in {t.value for t in TierName}:
+        raise MalformedField(f"{field}.tier", tier, "not a tier")
+    return check_offer(offer, f"{field}.offer"), TierName(tier)
+
+
+def held_shard(value: object) -> ShardId | None:
+    """The shard a malformed held copy names, if that much of it is readable (the node
+    is told to drop its copy: the index will not count it), else None."""
+    try:
+        offer = row("held", value, 2, 2)[0]
+        return check_shard_id(row("held.offer", offer, 5, 6)[:3])
+    except MalformedField:
+        return None
+
+
+def checked_items(values: object, check: Callable[[object], T], what: str) -> list[T | None]:
+    """Each item of a message's list rebuilt by ``check`` (it raises MalformedField on a
+    malformed one); None for each one refused, logged at WARNING with the field and
+    value. Raises MalformedField if ``values`` is not a list."""
+    checked: list[T | None] = []
+    for i, value in enumerate(items(what, values, MAX_ITEMS)):
+        try:
+            checked.append(check(value))
+        except MalformedField as exc:
+            logger.warning("refused %s %d: %s", what, i, exc)
+            checked.append(None)
+    return checked
+
+
+def offers_of(values: object) -> list[ShardOffer | None]:
+    """``admit``'s offers, checked (:func:`check_offer`); None for each one refused."""
+    return checked_items(values, check_offer, "offer")
+
+
+def held_of(values: object) -> list[tuple[ShardOffer, TierName] | None]:
+    """``restore``'s copies, checked (:func:`check_held`); None for each one refused."""
+    return checked_items(values, check_held, "held copy")
+
+
+def checked_shard_ids(values: object) -> list[ShardId | None]:
+    """ShardIds a NodeStore reports, checked (:func:`tierstore.fields.check_shard_id`)."""
+    return checked_items(values, check_shard_id, "shard id")
+
+
+# ---- the Evictor's decisions --------------------------------------------------------------
+@dataclass
+class NodeActions:
+    """What one node must do to honour the Evictor's decisions."""
+
+    drop: list[ShardId] = field(default_factory=list)  # delete every copy
+    demote: list[ShardId] = field(default_factory=list)  # to disk (write if needed), free memory
+    promote: list[ShardId] = field(default_factory=list)  # read the disk copy into memory
+    persist: list[ShardId] = field(default_factory=list)  # write-through: copy memory to disk
+    # Send a copy of a held shard to another node's CPU tier (a replica of a hot chunk).
+    push: list[tuple[ShardId, NodeId]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.drop or self.demote or self.promote or self.persist or self.push)
+
+
+def node_actions_of(actions: NodeActions) -> NodeActions:
+    """A NodeActions as Ray delivers it (the dataclass survives; the ShardIds in its
+    lists may not), rebuilt."""
+    return NodeActions(
+        drop=shard_ids_of(actions.drop),
+        demote=shard_ids_of(actions.demote),
+        promote=shard_ids_of(actions.promote),
+        persist=shard_ids_of(actions.persist),
+        push=[(shard_id_of(s), NodeId(n)) for s, n in actions.push],
+    )
+
+
+def decision_of(value: Any) -> tuple[list[bool], NodeActions]:
+    """``admit``/``restore``'s answer: one flag per offer, and the caller's own actions."""
+    accepted, actions = value
+    return [bool(a) for a in accepted], node_actions_of(actions)
+
+
+# ---- lookups ------------------------------------------------------------------------------
+class LookupState(str, Enum):
+    HIT = "hit"
+    MISS = "miss"
+    PENDING = "pending"  # present, being verified by its promotion from disk: ask again
+
+
+class LookupAnswer(NamedTuple):
+    state: LookupState
+    where: dict[int, NodeId] | None = None  # rank -> node, for a HIT
+    # Where a HIT's bytes are read from: DISK when any rank may be loaded from its disk
+    # copy (not in memory, or its promotion still under way). None unless a HIT.
+    tier: TierName | None = None
+
+
+def answers_of(values: Iterable[Any]) -> list[LookupAnswer]:
+    return [
+        LookupAnswer(
+            LookupState(state),
+            None if where is None else {int(r): NodeId(n) for r, n in where.items()},
+            None if tier is None else TierName(tier),
+        )
+        for state, where, tier in values
+    ]
+
+
+def nodes_of(values: Iterable[Any]) -> list[NodeId | None]:
+    """``locate``'s answer: per key, a node holding it, or None."""
+    return [None if n is None else NodeId(n) for n in values]
+
+
+# ---- residency events (KV-cache events) ---------------------------------------------------
+class ResidencyEvent(NamedTuple):
+    seq: int
+    namespace: Namespace
+    node: NodeId
+    tier: TierName
+    removed: bool
+    keys: list[ChunkKey]
+
+
+class EventBatch(NamedTuple):
+    next_seq: int  # pass back as ``after`` next time
+    lost: int  # events this reader missed because the log wrapped
+    events: list[ResidencyEvent]
+    epoch: str = ""  # the log's incarnation: a new one means the Evictor restarted
+
+
+def event_batch_of(value: Any) -> EventBatch:
+    next_seq, lost, events, epoch = value
+    return EventBatch(
+        next_seq,
+        lost,
+        [
+            ResidencyEvent(
+                seq,
+                Namespace(ns),
+                NodeId(node),
+                TierName(tier),
+                removed,
+                [ChunkKey(k) for k in keys],
+            )
+            for seq, ns, node, tier, removed, keys in events
+        ],
+        str(epoch),
+    )
+
+
+# ---- configs ------------------------------------------------------------------------------
+def config_of(value: Any) -> TierStoreConfig:
+    """An actor's ``config`` answer (a dict: msgpack flattens the dataclass) rebuilt."""
+    return value if isinstance(value, TierStoreConfig) else TierStoreConfig(**value)
