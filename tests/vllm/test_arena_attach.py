@@ -77,7 +77,7 @@ def test_an_arena_the_copier_cannot_attach_leaves_the_object_store_path(
     worker = _worker(cfg, kv)
     _store(worker, 1, 0)
     (copier,) = made
-    assert poll(lambda: worker.arena._tried, 20), "the worker kept asking for the arena"
+    assert poll(lambda: worker.arena._no_arena_here, 20), "the worker kept asking for the arena"
     assert len(copier.attached) == 1
     keys = _store(worker, 2, 10)
     worker.submit_load(3, _load_spec(cfg, keys), DST)

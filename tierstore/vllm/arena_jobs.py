@@ -37,6 +37,12 @@ from tierstore.data.arena.directory import Located
 from tierstore.data.arena.generations import UNPINNED_READS
 from tierstore.data.checksum import digest
 from tierstore.data.layout import JobPlan
+from tierstore.errors import (
+    ClusterUnavailableError,
+    RemoteCallError,
+    RemoteCallTimeout,
+    TierStoreError,
+)
 from tierstore.keys import NodeId, ShardId
 from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
@@ -98,12 +104,12 @@ class PendingCommits:
         scheduler answered from this engine's own stores: the arena's directory names
         them once committed). True if all ended in time, False at the deadline, None if
         none was pending."""
-        keys = set(spec.keys) if spec is not None else None
+        keys = set(spec.keys) if spec is not None else set()
         with self._lock:
             pending = [
                 c.done
                 for c in self._commits
-                if keys is None
+                if spec is None
                 or (c.spec.namespace == spec.namespace and not keys.isdisjoint(c.spec.keys))
             ]
         if not pending:
@@ -120,22 +126,25 @@ class ArenaJobs:
         self,
         copier: DeviceCopier,
         local_node: NodeId,
-        rank_of: tuple[int, int],
+        rank: int,
+        world_size: int,
         connect: Callable[[], WorkerArena | None],
     ) -> None:
         self._copier = copier
         self._local_node = local_node
-        self._rank, self._world_size = rank_of
+        self._rank = rank
+        self._world_size = world_size
         self._connect = connect
         self._arena: WorkerArena | None = None
         self._connecting = threading.Lock()
-        self._tried = False  # the node has no arena usable from here: never ask again
+        self._no_arena_here = False  # none on the node, or unusable from here: never ask again
         self._retry_at = 0.0  # after a failed try, when to try again
         self._first_sizes: list[int] = []  # of the job that asked for the arena first
         self.arena_stores = 0  # store jobs gathered into the arena
         self.pool_misses = 0  # store jobs that found no granted extents (object store)
         self.arena_loads = 0
         self.arena_rejected = 0  # same-node loads whose extents did not fit or verify
+        self.pin_errors = 0  # pins that failed unexpectedly (a bug, logged with its traceback)
         # Same-node loads read extents the arena's directory names without pinning them
         # (x86-64); False: every one pins first (benchmarks compare the two).
         self.read_unpinned = UNPINNED_READS
@@ -149,7 +158,7 @@ class ArenaJobs:
         if arena is not None and arena.check_replaced():
             self._drop(arena)
             arena = None
-        if arena is None and not self._tried and self._copier.in_place:
+        if arena is None and not self._no_arena_here and self._copier.in_place:
             if time.monotonic() >= self._retry_at and self._connecting.acquire(blocking=False):
                 self._first_sizes = sizes or []
                 threading.Thread(target=self._map, name="tierstore-arena", daemon=True).start()
@@ -161,7 +170,7 @@ class ArenaJobs:
             if arena is not None and not self._copier.attach_arena(arena.array):
                 arena.close()  # not registrable for DMA (CUDA): the object store it is
                 arena = None
-            self._tried = arena is None  # no arena on this node: do not ask again
+            self._no_arena_here = arena is None
             if arena is not None and self._first_sizes:
                 arena.expect(self._first_sizes)
             self._arena = arena
@@ -278,7 +287,7 @@ class ArenaJobs:
         """Any thread, no round trip: serve the load from where this node's arena
         directory says its shards are (see :meth:`_read_unpinned`), wherever the spec
         names them: a copy here beats a remote one (a replica made since the HIT, or one
-        the scheduler's picture did not show yet). False if one is not here or the check
+        the scheduler's cluster view did not show yet). False if one is not here or the check
         failed (the caller pins, or loads from the node the spec names)."""
         arena = self._mapped(scatter)
         return arena is not None and self._load_unpinned(arena, spec, plan, scatter)
@@ -306,10 +315,8 @@ class ArenaJobs:
         arena = self._local_arena(spec, scatter)
         if arena is None:
             return False
-        try:
-            pins = arena.pin(spec.namespace, self._rank, list(spec.keys))
-        except Exception as exc:  # not in memory and no room to promote; a new arena; ...
-            logger.debug("arena pin failed (%s); loading through the object store", exc)
+        pins = self._pin(arena, spec)
+        if pins is None:
             return False
         try:
             if not self._verified_scatter(arena.array, plan, pins, scatter):
@@ -319,6 +326,30 @@ class ArenaJobs:
             arena.unpin([at for at, _ in pins])
         self.arena_loads += 1
         return True
+
+    def _pin(self, arena: WorkerArena, spec: LoadSpec) -> list[tuple[int, ShardMeta]] | None:
+        """Transfer thread: the load's shards pinned in the arena, or None: the caller
+        loads through the object store. Expected refusals fall back: the NodeStore not
+        answering (WARNING), a shard not in memory or an arena it replaced (INFO).
+        Anything else is a bug, here or in the NodeStore: logged at WARNING with its
+        traceback and counted in ``pin_errors``, and the object store serves the load."""
+        try:
+            return arena.pin(spec.namespace, self._rank, list(spec.keys))
+        except (ClusterUnavailableError, RemoteCallTimeout) as exc:
+            logger.warning("arena pin unanswered (%s); loading through the object store", exc)
+        except RemoteCallError as exc:  # the NodeStore raised what it never raises on purpose
+            self._pin_failed(exc)
+        except TierStoreError as exc:  # ChunkNotFoundError, StaleArenaError
+            logger.info("arena pin refused (%s); loading through the object store", exc)
+        except Exception as exc:
+            self._pin_failed(exc)
+        return None
+
+    def _pin_failed(self, exc: Exception) -> None:
+        self.pin_errors += 1
+        logger.warning(
+            "arena pin failed unexpectedly; loading through the object store", exc_info=exc
+        )
 
     @classmethod
     def _read_unpinned(

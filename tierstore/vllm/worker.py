@@ -116,7 +116,7 @@ class TierStoreWorker(OffloadingWorker):
         )
         self._uncommitted = PendingCommits()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
-        self.arena = ArenaJobs(self._copier, ports.local_node, (rank, world_size), self._map_arena)
+        self.arena = ArenaJobs(self._copier, ports.local_node, rank, world_size, self._map_arena)
 
     def _map_arena(self) -> WorkerArena | None:
         """Arena set-up thread: map the node's arena; a NodeStore that did not answer is
@@ -236,8 +236,10 @@ class TierStoreWorker(OffloadingWorker):
         self._ports.forget_node_store(self._ports.local_node)
         try:
             self._ports.report_failed_stores(1)
-        except Exception:  # best effort: the Evictor may be what failed
+        except TierStoreError:  # best effort: the Evictor may be what failed
             logger.debug("could not report the failed store", exc_info=True)
+        except Exception:  # a bug: never hidden
+            logger.warning("reporting the failed store to the Evictor raised", exc_info=True)
 
     def _put(self, spec: StoreSpec, plan: JobPlan, buffer: np.ndarray) -> int:
         parents = spec.parents or (None,) * len(spec.keys)

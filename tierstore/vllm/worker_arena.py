@@ -7,8 +7,12 @@ the arena cannot be used (no arena on the node, a mapping that fails, a pool tha
 empty), the worker takes the object-store path, so nothing ever waits for a grant.
 
 Threads: ``take`` runs on the model-runner thread and never blocks; everything else on
-transfer threads; pool refills and unpins on this class's own thread, which logs and
-survives its errors.
+transfer threads; pool refills, unpins and give-backs on this class's own thread, which
+logs and survives its errors. Extents this worker was granted and will not fill are
+owed to the NodeStore until it confirms their return: a give-back that fails is logged
+at WARNING, counted (``failed_give_backs``) and sent again with the next grant call and
+at :meth:`WorkerArena.close` (a worker that dies owing them leaves them to the
+NodeStore, which reclaims a dead holder's grants).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -69,6 +74,14 @@ class ArenaCalls(Protocol):
     def arena_loaded(self, epoch: str, shards: int, nbytes: int) -> Reply[None]: ...
 
 
+@dataclass
+class UnreportedLoads:
+    """Loads read without a pin since the NodeStore was last told (its load counts)."""
+
+    shards: int = 0
+    nbytes: int = 0
+
+
 class WorkerArena:
     """Built by :meth:`connect`; ``calls`` gives the local NodeStore's current client."""
 
@@ -84,8 +97,11 @@ class WorkerArena:
         self.info = info
         self.mapping = ArenaMapping(info)
         self.generations, self.directory = arena_tables(self.mapping.array)
-        self._unreported = [0, 0]  # shards, bytes read unpinned, not yet told the NodeStore
+        self._unreported = UnreportedLoads()
         self._unreported_lock = threading.Lock()
+        self._owed: dict[str, list[int]] = {}  # epoch -> extents given back, not confirmed
+        self._owed_lock = threading.Lock()
+        self.failed_give_backs = 0  # give-back calls that failed (their extents retried)
         self._lock_file = HolderLock(info.path)
         self.holder = self._lock_file.holder
         self.pool = ExtentPool(max(grant_room // _POOL_SHARE, 0), info.epoch)
@@ -171,11 +187,38 @@ class WorkerArena:
         return int(kept), why
 
     def give_back(self, offsets: list[int], epoch: str | None = None) -> None:
-        if offsets:
-            try:  # one-way
-                self._calls().arena_give_back(self.holder, epoch or self.epoch, offsets)
+        """Any thread, never waits: granted extents (of arena ``epoch``, default the
+        current one) this worker will not fill. Owed until the NodeStore confirms them:
+        sent from the refill thread (see :meth:`_return_owed`)."""
+        if not offsets:
+            return
+        with self._owed_lock:
+            self._owed.setdefault(epoch or self.epoch, []).extend(offsets)
+        try:
+            self._refiller.submit(self._return_owed)
+        except RuntimeError:  # shut down: close() sends what is owed
+            pass
+
+    def _return_owed(self) -> None:
+        """Refill thread (or :meth:`close`): give back every owed extent, one waited
+        call per arena epoch. A call that fails is logged at WARNING and counted, and its
+        extents stay owed: sent again with the next grant call, or at close."""
+        with self._owed_lock:
+            owed, self._owed = self._owed, {}
+        for epoch, offsets in owed.items():
+            try:
+                reply = self._calls().arena_give_back(self.holder, epoch, offsets)
+                reply.result(self._timeout_s)
             except Exception:
-                logger.debug("could not give extents back", exc_info=True)
+                self.failed_give_backs += 1
+                logger.warning(
+                    "could not give %d granted extents back to the NodeStore; they stay "
+                    "granted to this worker until a later give-back reaches it or it exits",
+                    len(offsets),
+                    exc_info=True,
+                )
+                with self._owed_lock:
+                    self._owed.setdefault(epoch, []).extend(offsets)
 
     # ---- loads -----------------------------------------------------------------------------
     def pin(
@@ -205,9 +248,9 @@ class WorkerArena:
         """Any thread, never waits: tell the NodeStore (for its load counts) from the
         refill thread; loads that end meanwhile go in the same one-way call."""
         with self._unreported_lock:
-            queued = self._unreported != [0, 0]  # a report is queued: these join it
-            self._unreported[0] += shards
-            self._unreported[1] += nbytes
+            queued = self._unreported.shards > 0  # a report is queued: these join it
+            self._unreported.shards += shards
+            self._unreported.nbytes += nbytes
         if queued:
             return
         try:
@@ -218,12 +261,17 @@ class WorkerArena:
     def _report_loaded(self, epoch: str) -> None:
         """Refill thread: one call for every load that ended since the last one."""
         with self._unreported_lock:
-            (shards, nbytes), self._unreported = self._unreported, [0, 0]
-        if shards:
-            try:
-                self._calls().arena_loaded(epoch, shards, nbytes)
+            loads, self._unreported = self._unreported, UnreportedLoads()
+        if loads.shards:
+            try:  # one-way: only a send that fails is seen
+                self._calls().arena_loaded(epoch, loads.shards, loads.nbytes)
             except Exception:
-                logger.debug("could not report %d unpinned loads", shards, exc_info=True)
+                logger.warning(
+                    "could not report %d unpinned loads to the NodeStore (its load counts "
+                    "miss them)",
+                    loads.shards,
+                    exc_info=True,
+                )
 
     @property
     def array(self) -> np.ndarray:
@@ -244,6 +292,7 @@ class WorkerArena:
         """Refill thread: ask for what the pool wants until it wants no more, the arena
         is full or a call fails; errors are logged."""
         try:
+            self._return_owed()  # a give-back that failed goes with the next grant call
             while self._refill_once():
                 pass  # jobs took extents while the last grant was in flight
         except Exception:
@@ -272,9 +321,11 @@ class WorkerArena:
         return not stale and None not in offsets  # the arena is not full
 
     def close(self) -> None:
-        """Worker shutdown: give back what the pool holds, release the lock."""
+        """Worker shutdown: give back what the pool holds and what is still owed (waits
+        up to the transfer timeout), then release the lock."""
         self._refiller.shutdown(wait=True)
         self.give_back(self.pool.drain())
+        self._return_owed()
         self._lock_file.close()
         # The tables are views of the mapping: after it, no shard is found and every
         # generation check fails (one no extent reaches), so no load reads the unmapped
