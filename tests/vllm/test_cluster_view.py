@@ -1,5 +1,6 @@
-"""The scheduler's presence picture: built from a snapshot, kept by events, trusted only
-while fresh, dropped on any gap in the chain (the log wrapped, the Evictor restarted).
+"""The scheduler's cluster view (its presence snapshot): built from the Evictor's index,
+kept by events, trusted only while fresh, dropped on any gap in the chain (the log
+wrapped, the Evictor restarted).
 
 The Evictor channel here is a manual one (polls wait until the test answers them); the
 real channel and Evictor are covered in ``test_manager.py``."""
@@ -47,7 +48,7 @@ class ManualChannel:
 
 
 def _in_memory(view: ClusterView, k: ChunkKey, now: float, node: NodeId) -> NodeId | None:
-    """Where the picture alone says ``k`` is loadable from (nothing stored here lately)."""
+    """Where the snapshot alone says ``k`` is loadable from (nothing stored here lately)."""
     return view.loadable_from(k, now, node, stored_here_lately=False)
 
 
@@ -68,9 +69,9 @@ def test_presence_counts_each_copy_once_and_forgets_a_key_with_none_left() -> No
     assert len(presence) == 0
 
 
-def test_absent_only_with_a_fresh_picture() -> None:
+def test_absent_only_with_a_fresh_snapshot() -> None:
     view, channel = _view()
-    assert not view.absent(key(1), 0.0)  # no picture yet: ask
+    assert not view.absent(key(1), 0.0)  # no snapshot yet: ask
     view.maybe_poll(0.0)
     channel.answer("events", EventBatch(5, 0, [event(A, CPU, False, 1)], "e1"))
     assert view.absent(key(2), 0.1) and not view.absent(key(1), 0.1)
@@ -82,7 +83,7 @@ def test_absent_only_with_a_fresh_picture() -> None:
 
 def test_a_copy_in_memory_is_found_on_the_asking_node_first() -> None:
     view, channel = _view()
-    assert _in_memory(view, key(1), 0.0, A) is None  # no picture yet
+    assert _in_memory(view, key(1), 0.0, A) is None  # no snapshot yet
     view.maybe_poll(0.0)
     batch = [
         event(A, DISK, False, 1, 2),
@@ -101,11 +102,11 @@ def test_a_copy_in_memory_is_found_on_the_asking_node_first() -> None:
     assert _in_memory(view, key(1), 0.2, A) is None
 
 
-def test_a_chunk_stored_here_lately_loads_from_here_unless_the_picture_knows_it() -> None:
-    """This engine's fresh store, not in the picture (committed after the poll) or with no
-    fresh picture at all: this node. One the picture knows goes by the picture."""
+def test_a_chunk_stored_here_lately_loads_from_here_unless_the_snapshot_knows_it() -> None:
+    """This engine's fresh store, not in the snapshot (committed after the poll) or with no
+    fresh snapshot at all: this node. One the snapshot knows goes by the snapshot."""
     view, channel = _view()
-    assert view.loadable_from(key(1), 0.0, A, stored_here_lately=True) == A  # no picture
+    assert view.loadable_from(key(1), 0.0, A, stored_here_lately=True) == A  # no snapshot
     view.maybe_poll(0.0)
     channel.answer("events", EventBatch(2, 0, [event(B, DISK, False, 2)], "e1"))
     assert view.loadable_from(key(1), 0.1, A, stored_here_lately=True) == A
@@ -113,7 +114,7 @@ def test_a_chunk_stored_here_lately_loads_from_here_unless_the_picture_knows_it(
     assert view.loadable_from(key(1), AGE_S + 0.01, A, stored_here_lately=True) == A
 
 
-def test_a_failed_poll_leaves_the_picture_to_age_out() -> None:
+def test_a_failed_poll_leaves_the_snapshot_to_age_out() -> None:
     view, channel = _view()
     view.maybe_poll(0.0)
     channel.answer("events", EventBatch(0, 0, [], "e1"))
@@ -122,7 +123,7 @@ def test_a_failed_poll_leaves_the_picture_to_age_out() -> None:
     assert view.absent(key(1), 0.19) and not view.absent(key(1), 0.21)
 
 
-def test_a_gap_in_the_log_drops_the_picture_until_a_new_snapshot() -> None:
+def test_a_gap_in_the_log_drops_the_snapshot_until_a_new_one() -> None:
     for gap in (EventBatch(9, 3, [], "e1"), EventBatch(2, 0, [], "restarted")):
         view, channel = _view()
         view.maybe_poll(0.0)
@@ -136,8 +137,8 @@ def test_a_gap_in_the_log_drops_the_picture_until_a_new_snapshot() -> None:
         assert view.absent(key(2), 0.31) and not view.absent(key(1), 0.31)
 
 
-def test_a_cache_reset_drops_the_picture_and_any_snapshot_asked_before_it() -> None:
-    """A reset forgets the chunks this engine just stored; a picture polled before their
+def test_a_cache_reset_drops_the_snapshot_and_any_one_asked_before_it() -> None:
+    """A reset forgets the chunks this engine just stored; a snapshot polled before their
     commits landed would answer them MISS, so it goes, and so does one still in flight."""
     view, channel = _view()
     view.maybe_poll(0.0)

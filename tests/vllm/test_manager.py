@@ -312,18 +312,18 @@ def test_hits_read_straight_from_disk_count_as_storage(cfg: TierStoreConfig) -> 
     manager.shutdown()
 
 
-def _wait_for_fresh_picture(manager: TierStoreManager) -> None:
+def _wait_for_fresh_snapshot(manager: TierStoreManager) -> None:
     def fresh_miss() -> bool:
-        manager.on_schedule_end(END)  # polls: the picture, then its events
+        manager.on_schedule_end(END)  # polls: the snapshot, then its events
         time.sleep(0.01)
         probe = ReqContext(req_id=f"probe-{time.monotonic()}")
         manager.on_new_request(probe)
         return manager.lookup(_key(77), probe) is LookupResult.MISS
 
-    wait_for(fresh_miss, "a MISS from the picture", _WAIT_S)
+    wait_for(fresh_miss, "a MISS from the presence snapshot", _WAIT_S)
 
 
-def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
+def test_a_key_held_nowhere_is_a_miss_at_once_while_the_snapshot_is_fresh(
     cfg: TierStoreConfig,
 ) -> None:
     """No Evictor round trip (and no scheduler step) for a key the cluster does not hold;
@@ -332,15 +332,15 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor))
     ctx = ReqContext(req_id="r1")
     manager.on_new_request(ctx)
-    assert manager.lookup(_key(2), ctx) is LookupResult.RETRY  # no picture yet: asked
+    assert manager.lookup(_key(2), ctx) is LookupResult.RETRY  # no snapshot yet: asked
 
-    _wait_for_fresh_picture(manager)
+    _wait_for_fresh_snapshot(manager)
     assert manager.lookup(_key(5), ctx) is LookupResult.MISS  # at once, never RETRY
     assert manager.lookup(_key(1), ctx) is LookupResult.RETRY  # held: asked
     assert _settle(manager, _key(1), ctx) is LookupResult.HIT
 
     evictor.admit(node, [ShardOffer(NS, _key(8), 0, 1, 100)]).result()  # another engine
-    for _ in range(30):  # steps for 0.3 s: the picture catches up within its age
+    for _ in range(30):  # steps for 0.3 s: the snapshot catches up within its age
         manager.on_schedule_end(END)
         time.sleep(0.01)
     late = ReqContext(req_id="late")
@@ -348,7 +348,7 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     assert manager.lookup(_key(8), late) is LookupResult.RETRY
     assert _settle(manager, _key(8), late) is LookupResult.HIT
 
-    time.sleep(cfg.presence_max_age_ms / 1000 + 0.05)  # no steps: the picture went stale
+    time.sleep(cfg.presence_max_age_ms / 1000 + 0.05)  # no steps: the snapshot went stale
     idle = ReqContext(req_id="idle")
     manager.on_new_request(idle)
     assert manager.lookup(_key(9), idle) is LookupResult.RETRY
@@ -365,10 +365,10 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_picture_is_fresh(
     off.shutdown()
 
 
-def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same_step(
+def test_a_chunk_the_snapshot_shows_in_memory_is_a_hit_at_once_leased_in_the_same_step(
     cfg: TierStoreConfig,
 ) -> None:
-    """Under answer_hits_from_picture (a failed load recomputes), a chunk the fresh picture
+    """Under answer_hits_from_picture (a failed load recomputes), a chunk the fresh snapshot
     shows in memory is a HIT with no RETRY step, loadable from its node by every rank; the
     lease, asked in the same step, keeps it until complete_load. A chunk the Evictor lost
     meanwhile is counted unleased and answered MISS once the Evictor says so."""
@@ -376,7 +376,7 @@ def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same
     evictor, node = _evictor_holding(cfg, _key(1), _key(2))
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
     manager.answer_hits_from_picture(2)
-    _wait_for_fresh_picture(manager)
+    _wait_for_fresh_snapshot(manager)
 
     ctx = ReqContext(req_id="r1")
     manager.on_new_request(ctx)
@@ -391,19 +391,19 @@ def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same
     manager.complete_load([_key(1)], ctx)
     manager.on_request_finished(ctx)
 
-    # Key 2 goes (evicted for key 4's room) after the picture's last poll.
+    # Key 2 goes (evicted for key 4's room) after the snapshot's last poll.
     accepted, _ = evictor.admit(node, [ShardOffer(NS, _key(4), 0, 1, 850)]).result()
     assert accepted == [True]
     late = ReqContext(req_id="late")
     manager.on_new_request(late)
-    assert manager.lookup(_key(2), late) is LookupResult.HIT  # the picture's word
+    assert manager.lookup(_key(2), late) is LookupResult.HIT  # the snapshot's word
     manager.on_schedule_end(END)
     wait_for(
         lambda: manager.lookup(_key(2), late) is LookupResult.MISS, "the Evictor's MISS", _WAIT_S
     )
     counters = manager.get_stats().data["data"]
-    assert counters[metrics.PICTURE_HITS] == {(): 2}
-    assert counters[metrics.PICTURE_HITS_UNLEASED] == {(): 1}
+    assert counters[metrics.VIEW_HITS] == {(): 2}
+    assert counters[metrics.VIEW_HITS_UNLEASED] == {(): 1}
     assert counters[metrics.LOOKUP_HITS] == {("cpu",): 2}  # each HIT counted once
     manager.shutdown()
 
@@ -414,7 +414,7 @@ def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same
         local_node=NodeId(node),
     )
     off.answer_hits_from_picture(1)
-    _wait_for_fresh_picture(off)
+    _wait_for_fresh_snapshot(off)
     off.on_new_request(ctx)
     assert off.lookup(_key(1), ctx) is LookupResult.RETRY  # asked first, as before
     off.shutdown()
@@ -423,11 +423,11 @@ def test_a_chunk_the_picture_shows_in_memory_is_a_hit_at_once_leased_in_the_same
 def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
     cfg: TierStoreConfig,
 ) -> None:
-    """A worker's commit may reach the Evictor after the picture's last poll: a chunk this
-    engine stored within the commit grace that no fresh picture shows is a HIT at once,
-    from this node (the worker waits for its own commit). One the picture shows on disk
+    """A worker's commit may reach the Evictor after the snapshot's last poll: a chunk this
+    engine stored within the commit grace that no fresh snapshot shows is a HIT at once,
+    from this node (the worker waits for its own commit). One the snapshot shows on disk
     only is asked (its lookup starts the promotion); one stored longer ago is what the
-    picture says (here: held nowhere, a MISS)."""
+    snapshot says (here: held nowhere, a MISS)."""
     cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)  # no events poll meanwhile
     evictor = EvictorClient(get_or_create_evictor(cfg))
     node = ray.get_runtime_context().get_node_id()
@@ -436,7 +436,7 @@ def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
     evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()  # key 2: disk only
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
     manager.answer_hits_from_picture(1)
-    _wait_for_fresh_picture(manager)
+    _wait_for_fresh_snapshot(manager)
     writer, reader = ReqContext(req_id="writer"), ReqContext(req_id="reader")
     manager.on_new_request(writer)
     stored = [_key(1), _key(2), _key(4)]
@@ -445,8 +445,8 @@ def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
     manager.on_new_request(reader)
     assert manager.lookup(_key(1), reader) is LookupResult.HIT  # no RETRY step
     assert manager.prepare_load([_key(1)], reader).nodes == (node,)
-    assert manager.lookup(_key(2), reader) is LookupResult.RETRY  # the picture knows better
-    time.sleep(1.05)  # past the commit grace: the commit would be in the picture by now
+    assert manager.lookup(_key(2), reader) is LookupResult.RETRY  # the snapshot knows better
+    time.sleep(1.05)  # past the commit grace: the commit would be in the snapshot by now
     assert manager.lookup(_key(4), reader) is LookupResult.MISS
-    assert manager.get_stats().data["data"][metrics.PICTURE_HITS] == {(): 1}
+    assert manager.get_stats().data["data"][metrics.VIEW_HITS] == {(): 1}
     manager.shutdown()

@@ -158,8 +158,9 @@ def test_a_load_of_chunks_whose_commit_is_on_its_way_waits_for_it_and_reads_unpi
     assert worker.submit_store(3, SRC, StoreSpec(NS, tuple(keys)))
     assert [r.job_id for r in worker.get_finished()] == [3]  # done at the copy
     node = NodeId(ray.get_runtime_context().get_node_id())
-    guessed = LoadSpec.build(NS, keys, [{0: node}] * len(keys))  # as the scheduler guesses
-    worker.submit_load(4, guessed, DST)
+    # As a view hit names it: this node, before the commit reached the Evictor.
+    view_hit = LoadSpec.build(NS, keys, [{0: node}] * len(keys))
+    worker.submit_load(4, view_hit, DST)
     time.sleep(0.3)
     assert worker.get_finished() == []  # waiting for the commit, not failed
     gate.set()

@@ -1,17 +1,18 @@
-"""The scheduler's picture of the cluster, refreshed off-thread: the Evictor's status (tier
-gauges), its residency changes (vLLM's KV-cache events), and which chunks the cluster
-holds at all.
+"""The cluster view: the scheduler's local copy of what the Evictor knows, polled
+off-thread. It holds the Evictor's status (tier gauges), its residency changes (vLLM's
+KV-cache events), and the presence snapshot: which chunks the cluster holds at all, and
+on which node and tier.
 
-The last lets a lookup of a key no node holds answer MISS at once, and one some node
-holds answer HIT at once (where the manager may: its ``answer_hits_from_picture``).
-Without it every new request waited one Evictor round trip and a scheduler step before
-it could be scheduled. The picture is a snapshot of the index followed by the Evictor's
-event log, and is trusted only while it is fresh (``presence_max_age_ms`` since the poll it reflects
-was sent): a chunk another engine stored since then reads as absent and is recomputed,
-a lost hit and never wrong output. Whatever breaks the chain (the log wrapped past this
-reader, the Evictor restarted) drops the picture until a new snapshot lands; meanwhile,
-and whenever the picture is stale (an idle scheduler polls nothing), every key is asked
-as before.
+The presence snapshot lets a lookup of a key no node holds answer MISS at once, and one
+some node holds in memory answer HIT at once (a *view hit*, where the manager allows
+it: its ``answer_hits_from_picture``). Without it every new request waited one Evictor
+round trip and a scheduler step before it could be scheduled. It is built from a
+snapshot of the Evictor's index, kept up to date from the Evictor's event log, and
+trusted only while it is fresh (``presence_max_age_ms`` since the poll it reflects was
+sent): a chunk another engine stored since then reads as absent and is recomputed, a
+lost hit and never wrong output. Whatever breaks the chain (the log wrapped past this
+reader, the Evictor restarted) drops it until a new snapshot lands; meanwhile, and
+whenever it is stale (an idle scheduler polls nothing), every key is asked as before.
 
 Polls are sent from the scheduler thread (:meth:`ClusterView.maybe_poll`) and answered on
 the Evictor channel's thread; both hold the manager's lock.
@@ -33,7 +34,7 @@ from tierstore.wire import EventBatch, ResidencyEvent
 logger = logging.getLogger(__name__)
 
 # The Evictor's status (tier gauges) is fetched at most this often, and so are its KV
-# events when no presence picture is kept.
+# events when no presence snapshot is kept.
 STATUS_PERIOD_S = 1.0
 
 
@@ -83,6 +84,10 @@ class Presence:
 
 
 class ClusterView:
+    """The scheduler's local copy of which chunks the cluster holds (the presence
+    snapshot) and of the Evictor's status, polled from the Evictor. Scheduler thread and
+    the Evictor channel's thread, under the manager's lock; nothing here waits on Ray."""
+
     def __init__(
         self,
         channel: EvictorChannel,
@@ -94,7 +99,7 @@ class ClusterView:
     ) -> None:
         """``channel``: the lookups' channel; polls go on a sibling of it, so a lookup
         never waits behind one. ``events``: where vLLM's KV-cache events go, if it
-        drains them. ``max_age_s``: how old a presence picture may be and still answer
+        drains them. ``max_age_s``: how old the presence snapshot may be and still answer
         MISS; 0 keeps none (every key is asked)."""
         self._channel = channel.sibling()
         self._namespace = namespace
@@ -102,10 +107,10 @@ class ClusterView:
         self._metrics = metrics
         self._events = events
         self._max_age_s = max_age_s
-        # Events are polled this often: a picture is refreshed twice within its age.
+        # Events are polled this often: the snapshot is refreshed twice within its age.
         self._events_period_s = max_age_s / 2 if max_age_s else STATUS_PERIOD_S
         self._presence: Presence | None = None  # None: none trusted (not built, broken)
-        self._refreshed_at = float("-inf")  # when the poll the picture reflects was sent
+        self._refreshed_at = float("-inf")  # when the poll the snapshot reflects was sent
         self._dropped_at = float("-inf")  # a snapshot sent before this is not trusted
         self._seq = 0
         self._epoch = ""
@@ -116,38 +121,38 @@ class ClusterView:
         self._channel.close()
 
     def drop(self, now: float) -> None:
-        """Scheduler thread (the engine's cache reset): forget the picture; every key is
-        asked until a snapshot sent after ``now`` lands. A reset also forgets which
-        chunks this engine just stored, the guard that kept a picture polled before
-        their commits from answering them MISS."""
+        """Scheduler thread (the engine's cache reset): forget the presence snapshot;
+        every key is asked until a snapshot sent after ``now`` lands. A reset also
+        forgets which chunks this engine just stored, the guard that kept a snapshot
+        polled before their commits from answering them MISS."""
         self._presence = None
         self._dropped_at = now
 
     def _fresh(self, now: float) -> Presence | None:
-        """The picture, if one is trusted and at most ``max_age_s`` old."""
+        """The presence snapshot, if one is trusted and at most ``max_age_s`` old."""
         presence = self._presence
         if presence is None or now - self._refreshed_at > self._max_age_s:
             return None
         return presence
 
     def absent(self, key: ChunkKey, now: float) -> bool:
-        """No node held ``key`` as of a picture at most ``max_age_s`` old."""
+        """No node held ``key`` as of a presence snapshot at most ``max_age_s`` old."""
         presence = self._fresh(now)
         return presence is not None and key not in presence
 
     def loadable_from(
         self, key: ChunkKey, now: float, local: NodeId | None, stored_here_lately: bool
     ) -> NodeId | None:
-        """Where a HIT answered before its lease may load ``key`` from: a node the fresh
-        picture shows holding it in memory (``local``, this engine's node, first). If no
-        fresh picture shows it at all but this engine stored it lately (its commit came
+        """Where a view hit (answered before its lease) may load ``key`` from: a node the
+        fresh snapshot shows holding it in memory (``local``, this engine's node, first).
+        If no fresh snapshot shows it at all but this engine stored it lately (its commit came
         after the last poll), ``local``: its workers put it there, and one whose commit
         of it is still on its way waits for it. Without that, a prefix stored within the
         last poll period waited an Evictor round trip and a step more. None: ask.
 
         A chunk demoted to disk since is read from disk by its NodeStore, one held only
         on another node from there; one gone everywhere fails its load and the request
-        recomputes, as with any HIT from the picture."""
+        recomputes, as with any view hit."""
         presence = self._fresh(now)
         if presence is not None and key in presence:
             return presence.in_memory(key, local)
@@ -197,14 +202,14 @@ class ClusterView:
                 return
             self._presence, self._refreshed_at = presence, sent_at
             self._seq, self._epoch = batch.next_seq, batch.epoch
-            logger.debug("cluster picture: %d chunks of %s", len(presence), self._namespace)
+            logger.debug("presence snapshot: %d chunks of %s", len(presence), self._namespace)
             self._forward(batch.events)
 
     def _on_events(self, batch: EventBatch | None, sent_at: float) -> None:
         with self._lock:
             self._in_flight.discard("events")
             if batch is None:
-                return  # not refreshed: the picture ages out unless the next poll lands
+                return  # not refreshed: the snapshot ages out unless the next poll lands
             if batch.lost:
                 logger.warning("KV events: %d residency changes lost (log wrapped)", batch.lost)
             if batch.lost or (self._epoch and batch.epoch != self._epoch):

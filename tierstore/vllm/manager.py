@@ -8,10 +8,12 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
   MISS (``tierstore:lookup_timeouts``): a slow Evictor never holds a request up for
   longer. An answer that lands after that is dropped, and its leases given back.
 - a ``HIT`` is backed by a lease the Evictor granted this request, so the chunk stays
-  loadable until ``prepare_load``, which extends the lease until ``complete_load``. A HIT
-  from the scheduler's picture (:meth:`TierStoreManager.answer_hits_from_picture`, which
-  includes what this engine just stored) is answered before its lease, asked in the same
-  step; if the chunk went meanwhile, its load reads another copy or recomputes.
+  loadable until ``prepare_load``, which extends the lease until ``complete_load``. A
+  *view hit* (:meth:`TierStoreManager.answer_hits_from_picture`) is answered from the
+  cluster view (:mod:`tierstore.vllm.cluster_view`: the scheduler's local copy of which
+  chunks the cluster holds, polled from the Evictor; it also counts what this engine
+  just stored) before its lease, which is asked in the same step; if the chunk went
+  meanwhile, its load reads another copy or recomputes.
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
   methods also take it themselves, so both versions are safe.
 """
@@ -89,7 +91,7 @@ class TierStoreManager(OffloadingManager):
         self._metrics = metrics.ManagerMetrics()
         self._job_started: dict[frozenset[ChunkKey], float] = {}  # store/load job start
         self._local_node = local_node
-        self._picture_ranks = 0  # ranks a HIT from the picture names; 0: none (see below)
+        self._view_hit_ranks = 0  # ranks a view hit names; 0: no view hits (see below)
         self._events = EventQueue(local_node) if events_enabled else None
         self._view = ClusterView(
             channel,
@@ -145,7 +147,7 @@ class TierStoreManager(OffloadingManager):
                     self._metrics.count(metrics.LOOKUP_MISSES)  # held nowhere: no ask
                     return LookupResult.MISS
                 state.ask(chunk, req_context, now)
-                if self._hit_from_picture(state, chunk, req_context, now):
+                if self._hit_from_view(state, chunk, req_context, now):
                     return LookupResult.HIT
             elif now - asked_at > self._lookup_timeout_s:
                 # Computed as a miss; the late answer's lease is given back when it lands.
@@ -159,21 +161,22 @@ class TierStoreManager(OffloadingManager):
 
     def answer_hits_from_picture(self, world_size: int) -> None:
         """Start-up, scheduler thread: :class:`~tierstore.connector.TierStoreConnector`
-        calls this when a failed load recomputes its request. From then on (config
-        ``hits_from_picture``), a chunk the fresh picture shows in some node's memory is
-        a HIT at once, loadable by each of the engine's ``world_size`` ranks from that
-        copy (this node's first); its lease is asked for in the same step.
+        calls this when a failed load recomputes its request (the name follows the
+        config key ``hits_from_picture``, which turns it on). From then on, a chunk the
+        fresh cluster view shows in some node's memory is a HIT at once (a view hit),
+        loadable by each of the engine's ``world_size`` ranks from that copy (this
+        node's first); its lease is asked for in the same step.
         The request is scheduled a step sooner (the Evictor's round trip lands during the
         step's forward). A chunk gone in between is read from another copy the Evictor
         names, or its load fails and the request recomputes: a lost hit, never wrong bytes
         (every load is verified)."""
         with self._lock:
-            self._picture_ranks = world_size if self._cfg.hits_from_picture else 0
+            self._view_hit_ranks = world_size if self._cfg.hits_from_picture else 0
 
-    def _hit_from_picture(
+    def _hit_from_view(
         self, state: RequestState, key: ChunkKey, ctx: ReqContext, now: float
     ) -> bool:
-        if not self._picture_ranks or ctx.load_tier_filter is not TierFilter.ALL:
+        if not self._view_hit_ranks or ctx.load_tier_filter is not TierFilter.ALL:
             return False
         lately = self._known_stored.committing(key, now)  # its commit may not be polled yet
         node = self._view.loadable_from(key, now, self._local_node, stored_here_lately=lately)
@@ -182,10 +185,10 @@ class TierStoreManager(OffloadingManager):
             # step later mostly finds it in memory. Loaded at once, it raced the
             # promotion through the object store and waited longer than asking does.
             return False
-        where = dict.fromkeys(range(self._picture_ranks), node)
-        state.guess(key, where, now, self._cfg.presence_max_age_ms / 1000)
+        where = dict.fromkeys(range(self._view_hit_ranks), node)
+        state.hit_from_view(key, where, now, self._cfg.presence_max_age_ms / 1000)
         self._metrics.count(metrics.LOOKUP_HITS, tier=TierName.CPU)
-        self._metrics.count(metrics.PICTURE_HITS)
+        self._metrics.count(metrics.VIEW_HITS)
         return True
 
     def _allowed(self, answer: Answer, tier_filter: TierFilter) -> bool:
@@ -232,19 +235,19 @@ class TierStoreManager(OffloadingManager):
                         late.append(key)
                     continue
                 if answer_state == LookupState.MISS and self._known_stored.committing(key, now):
-                    state.was_guessed(key)
+                    state.take_view_hit(key)
                     state.ask_again(key, now)
                     continue
                 # Re-ask a HIT well before its lease ends.
-                guessed = state.was_guessed(key)  # a HIT already, counted as one
+                view_hit = state.take_view_hit(key)  # a HIT already, counted as one
                 tier = state.take(
                     key, answer_state, where, now, self._cfg.lease_ttl_s / 2, from_tier
                 )
-                if answer_state == LookupState.HIT and not guessed:
+                if answer_state == LookupState.HIT and not view_hit:
                     self._metrics.count(metrics.LOOKUP_HITS, tier=tier)
                 elif answer_state == LookupState.MISS:
                     self._metrics.count(
-                        metrics.PICTURE_HITS_UNLEASED if guessed else metrics.LOOKUP_MISSES
+                        metrics.VIEW_HITS_UNLEASED if view_hit else metrics.LOOKUP_MISSES
                     )
                     # Evicted (or never stored): let the next prepare_store offer it again.
                     self._known_stored.forget(key)
@@ -274,7 +277,7 @@ class TierStoreManager(OffloadingManager):
                 self._metrics.count(metrics.LOADED_CHUNKS, tier=answer.tier)
             self._job_started[frozenset(ordered)] = time.monotonic()
             state.loading.update(ordered)
-            # A key still asked (a HIT from the picture) gets a whole lease as its ask lands.
+            # A key still asked (a view hit) gets a whole lease as its ask lands.
             if held := [k for k in ordered if k not in state.in_flight]:
                 ttl_s = self._cfg.lease_ttl_s
                 self._channel.extend_leases(self._namespace, held, state.holder, ttl_s)

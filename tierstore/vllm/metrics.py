@@ -30,8 +30,11 @@ PREFIX = "tierstore:"
 LOOKUP_HITS = PREFIX + "lookup_hits"
 LOOKUP_MISSES = PREFIX + "lookup_misses"
 LOOKUP_TIMEOUTS = PREFIX + "lookup_timeouts"
-PICTURE_HITS = PREFIX + "picture_hits"
-PICTURE_HITS_UNLEASED = PREFIX + "picture_hits_unleased"
+# View hits: HITs answered from the scheduler's cluster view (its local copy of which
+# chunks the cluster holds, polled from the Evictor) before their lease. The metric names
+# predate the term and are kept: dashboards use them.
+VIEW_HITS = PREFIX + "picture_hits"
+VIEW_HITS_UNLEASED = PREFIX + "picture_hits_unleased"
 LOADED_CHUNKS = PREFIX + "loaded_chunks"
 STORED_CHUNKS = PREFIX + "stored_chunks"
 FAILED_LOADS = PREFIX + "failed_loads"
@@ -81,13 +84,14 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             "Chunk lookups not answered within lookup_timeout_ms (computed as misses).",
             (),
         ),
-        PICTURE_HITS: (
-            "Chunk lookups answered HIT from the scheduler's picture of the cluster, before "
-            "the Evictor leased them (also counted in lookup_hits).",
+        VIEW_HITS: (
+            "Chunk lookups answered HIT from the scheduler's cluster view (which chunks the "
+            "cluster holds, polled from the Evictor), before the Evictor leased them (also "
+            "counted in lookup_hits).",
             (),
         ),
-        PICTURE_HITS_UNLEASED: (
-            "HITs from the picture that the Evictor then answered MISS (the chunk went "
+        VIEW_HITS_UNLEASED: (
+            "HITs from the cluster view that the Evictor then answered MISS (the chunk went "
             "meanwhile: its load reads another copy, or the request recomputes).",
             (),
         ),

@@ -40,8 +40,8 @@ class RequestState:
     in_flight: set[ChunkKey] = field(default_factory=set)  # sent, no answer back yet
     promoting: set[ChunkKey] = field(default_factory=set)  # answered PENDING (on disk)
     leased: set[ChunkKey] = field(default_factory=set)
-    # answered HIT from the scheduler's picture; the Evictor's answer is still to come
-    guessed: set[ChunkKey] = field(default_factory=set)
+    # answered HIT from the cluster view (a view hit); the Evictor's answer is to come
+    view_hits: set[ChunkKey] = field(default_factory=set)
     loading: set[ChunkKey] = field(default_factory=set)
     # (group, end token) -> key, to name each stored chunk's parent in its chain.
     positions: dict[tuple[int, int], ChunkKey] = field(default_factory=dict)
@@ -100,17 +100,20 @@ class RequestState:
         self.in_flight.discard(key)
         self.answers[key] = Answer(LookupState.PENDING, None, now + PENDING_RETRY_S)
 
-    def guess(self, key: ChunkKey, where: dict[int, NodeId], now: float, ttl_s: float) -> None:
-        """A HIT from the picture for a ``key`` just asked: loadable from memory on
-        ``where`` now; the Evictor's answer, when it lands, replaces it (and its lease is
-        then held)."""
-        self.guessed.add(key)
+    def hit_from_view(
+        self, key: ChunkKey, where: dict[int, NodeId], now: float, ttl_s: float
+    ) -> None:
+        """A view hit for a ``key`` just asked: the cluster view shows it loadable from
+        memory on ``where`` now; the Evictor's answer, when it lands, replaces it (and
+        its lease is then held)."""
+        self.view_hits.add(key)
         self.answers[key] = Answer(LookupState.HIT, where, now + ttl_s, TierName.CPU)
 
-    def was_guessed(self, key: ChunkKey) -> bool:
-        """Whether ``key``'s HIT came from the picture; asked once, as its answer lands."""
-        if key in self.guessed:
-            self.guessed.discard(key)
+    def take_view_hit(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s HIT came from the cluster view; asked once, as the Evictor's
+        answer lands."""
+        if key in self.view_hits:
+            self.view_hits.discard(key)
             return True
         return False
 
