@@ -12,9 +12,9 @@ from several nodes: the calls go out at once, and every shard is checked before 
 copy starts.
 
 A holder that fails (its NodeStore died, its node is lost, its object's owner died
-before the get, or it no longer holds the chunk: a HIT from the scheduler's picture
-names a node before the Evictor leased the chunk there) is retried once from other
-copies the Evictor knows of.
+before the get, or it no longer holds the chunk: a view hit, answered from the
+scheduler's cluster view, names a node before the Evictor leased the chunk there) is
+retried once from other copies the Evictor knows of.
 
 Thread: the worker's transfer threads; :meth:`ObjectLoads.load` blocks on the
 NodeStores' answers (each within the transfer deadline).
