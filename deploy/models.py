@@ -112,7 +112,7 @@ def _nemotron_h() -> Any:
     # run prefill pieces of at most one block (see ENGINE_LIMITS): with prefix caching
     # its "align" mode checkpoints inside longer pieces, which the CPU SSM op cannot
     # (vllm mamba_mixer2.py:880 indexes per-chunk states the CPU op does not return).
-    return NemotronHConfig(
+    return NemotronHConfig(  # type: ignore[call-arg]  # keys the config takes as kwargs
         vocab_size=_VOCAB,
         hidden_size=128,
         hybrid_override_pattern="M-*-M-",
@@ -141,7 +141,7 @@ def _gemma4() -> Any:
 
     # Sliding layers of head dim 32, full layers of head dim 64 (``global_head_dim``), and
     # the per-layer input embeddings: 4 sliding + 2 full layers, 3 KV cache groups.
-    return Gemma4TextConfig(
+    return Gemma4TextConfig(  # type: ignore[call-arg]  # keys the config takes as kwargs
         vocab_size=_VOCAB,
         vocab_size_per_layer_input=_VOCAB,
         hidden_size_per_layer_input=16,
@@ -235,7 +235,7 @@ def _deepseek_v3() -> Any:
     # The latent KV row (kv_lora_rank + qk_rope_head_dim) must be a size vLLM's MLA
     # supports (MLACommonBackend: 320, 512, 576), and the CPU decode kernel
     # (mla_decode_kvcache_cpu) runs only 576 with its block size of 16.
-    return DeepseekV3Config(
+    return DeepseekV3Config(  # type: ignore[call-arg]  # keys the config takes as kwargs
         topk_method="noaux_tc",
         scoring_func="sigmoid",
         vocab_size=_VOCAB,
@@ -316,6 +316,30 @@ def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0
     marker = path / "config.json"
     if marker.exists():
         return path
+    path.mkdir(parents=True, exist_ok=True)
+    _random_model(name, dtype, seed).save_pretrained(path, safe_serialization=True)
+    # Written last: its presence means the model is complete.
+    data = json.loads(marker.read_text())
+    marker.write_text(json.dumps(data, indent=2))
+    logger.info("made random %s model at %s", name, path)
+    return path
+
+
+def replace_weights(path: Path, name: str, dtype: str = "float32", seed: int = 1) -> None:
+    """Replace the weights of the random model at ``path`` (made by ``make_tiny_model``)
+    in place: same config, same file names and sizes, new random values from ``seed``,
+    each file renamed over the old one, as a redeploy to the same path would."""
+    import tempfile
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory(dir=path.parent) as staging:
+        _random_model(name, dtype, seed).save_pretrained(staging, safe_serialization=True)
+        for fresh in Path(staging).glob("*.safetensors*"):
+            fresh.replace(path / fresh.name)
+    logger.info("replaced the weights of %s (seed %d)", path, seed)
+
+
+def _random_model(name: str, dtype: str, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -323,11 +347,4 @@ def make_tiny_model(name: str, root: Path, dtype: str = "float32", seed: int = 0
     config = _MODELS[name]()
     config.dtype = dtype
     config.initializer_range = _INIT_RANGE
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
-    # Written last: its presence means the model is complete.
-    data = json.loads(marker.read_text())
-    marker.write_text(json.dumps(data, indent=2))
-    logger.info("made random %s model at %s", name, path)
-    return path
+    return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

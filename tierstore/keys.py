@@ -1,9 +1,11 @@
 """Identifiers that cross process boundaries, each with its own type.
 
 vLLM's ``OffloadKey`` is a prefix-chained block hash plus a 4-byte group index: it says
-nothing of the model, dtype, chunking or rank. tierstore therefore scopes every key by a
-:data:`Namespace` (a digest of everything that shapes a chunk's bytes) and by the rank
-that produced the shard.
+nothing of the model, its weights, dtype, chunking or rank (it does carry the request's
+LoRA adapter, ``cache_salt``, multimodal items and prompt embeddings: vLLM hashes those
+into the block hash). tierstore therefore scopes every key by a :data:`Namespace` (a
+digest of everything that shapes a chunk's bytes or what they mean:
+``tierstore.vllm.spec.namespace_for``) and by the rank that produced the shard.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def group_of(key: ChunkKey) -> int:
 def make_namespace(shape: Mapping[str, object]) -> Namespace:
     """Digest of every parameter that changes what a chunk's bytes mean.
 
-    Two engines share chunks only when model, dtype, layout, chunking and parallelism all
-    agree; anything else would read another model's KV as its own.
+    Two engines share chunks only when the model's identity (vLLM's model hash, the
+    weights' fingerprint), dtype, layout, chunking and parallelism all agree; anything
+    else would read another model's KV as its own.
     """
     canonical = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
     return Namespace(hashlib.sha256(canonical.encode()).hexdigest()[:32])

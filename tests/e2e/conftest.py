@@ -142,6 +142,46 @@ def tiny_model(models_dir: Path) -> Callable[[str, str], str]:
     return make
 
 
+# tierstore logs through Python's logging, which a vLLM process leaves unconfigured below
+# WARNING. With VLLM_LOGGING_CONFIG_PATH pointing at this, every engine process (front
+# end, engine core, workers) prints tierstore's INFO lines too, with its process id.
+_LOGGING_CONFIG = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s %(process)d %(name)s: %(message)s"}},
+    "handlers": {
+        "out": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "stream": "ext://sys.stdout",
+        }
+    },
+    "loggers": {
+        name: {"handlers": ["out"], "level": "INFO", "propagate": False}
+        for name in ("vllm", "tierstore")
+    },
+}
+_NAMESPACE_LOG = re.compile(
+    r"INFO (\d+) tierstore\.vllm\.spec: tierstore (manager|worker rank \d+): namespace (\w+)"
+)
+
+
+@pytest.fixture(scope="package")
+def tierstore_logs_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """``extra_env`` for ``run_engine`` under which the engine's log holds tierstore's
+    INFO lines (``logged_namespaces`` reads them)."""
+    path = tmp_path_factory.mktemp("logging") / "logging.json"
+    path.write_text(json.dumps(_LOGGING_CONFIG))
+    return {"VLLM_LOGGING_CONFIG_PATH": str(path)}
+
+
+def logged_namespaces(log: str) -> dict[str, tuple[int, str]]:
+    """``role -> (process id, namespace)`` as the spec logged them (under
+    ``tierstore_logs_env``): "manager" for the scheduler's, "worker rank N" for each
+    worker's."""
+    return {role: (int(pid), ns) for pid, role, ns in _NAMESPACE_LOG.findall(log)}
+
+
 PROMPT = random_prompt(1000, seed=7)
 FP32_LOGPROB_TOL = 1e-4
 MIN_CACHED_FRACTION = 0.75

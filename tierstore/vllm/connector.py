@@ -18,6 +18,11 @@ uses it:
   count the chunks as loaded, and answers that request's next lookups MISS (a retry
   never loads the chunk that just failed).
 
+It also hands the engine's ``VllmConfig`` to the spec that the base class builds, in the
+scheduler and in every worker (``model_identity.building_for``): the namespace covers the
+model's identity (vLLM's model hash, a fingerprint of the weights), which vLLM's
+``OffloadingConfig`` does not carry.
+
 Loaded by ``"kv_connector": "TierStoreConnector", "kv_connector_module_path":
 "tierstore.connector"``; everything else is the base class's, so any offloading spec
 works under it. Runtime rules: the worker-side methods run on vLLM's model-runner thread,
@@ -43,6 +48,7 @@ from vllm.v1.kv_offload.base import TransferResult
 from vllm.v1.outputs import KVConnectorOutput
 
 from tierstore.errors import TierStoreError
+from tierstore.vllm.model_identity import building_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +104,10 @@ class TierStoreConnector(OffloadingConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # The base class builds the spec; it reads the engine's config from here to
+        # derive the namespace (tierstore.vllm.model_identity).
+        with building_for(vllm_config):
+            super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             # Nothing is registered yet (register_kv_caches comes later): swap the class.
             self.connector_worker = TierStoreConnectorWorker(
@@ -110,6 +119,7 @@ class TierStoreConnector(OffloadingConnector):
             return
         if policy == "recompute":
             # A load that fails recomputes: HITs may be answered before their lease.
+            assert self.connector_scheduler is not None  # the scheduler role has one
             enable = getattr(self.connector_scheduler.manager, "answer_hits_from_picture", None)
             if enable is not None:
                 enable(vllm_config.parallel_config.world_size)

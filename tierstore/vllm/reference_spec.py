@@ -7,6 +7,10 @@ them back on load. It shares no code with tierstore's layout, so the two agreein
 bit is evidence, not tautology. Same connector path, same hit boundaries: tierstore's
 output must equal this one's exactly. Not for serving: it keeps every page forever.
 Load it with ``REFERENCE_SPEC`` (``tierstore.deploy.passes``).
+
+It needs no namespace (``tierstore.vllm.spec.namespace_for``): its pages live in the
+engine's own worker process and die with it, so no other engine, model or weights can
+ever read them.
 """
 
 from __future__ import annotations
