@@ -33,6 +33,7 @@ VLLM_OWNED_KEYS: frozenset[str] = frozenset(
     }
 )
 
+_MAX_PIN_CHARS = 256  # a model_identity names weights; anything longer is a mistake
 DEFAULT_NAMESPACE = "tierstore"
 
 _SIZE_UNITS: dict[str, int] = {
@@ -163,6 +164,12 @@ class TierStoreConfig:
     # its own CPU tier, if that fits below cpu_low_watermark (a copy never evicts
     # anything). Later loads there are local, and survive the holder's loss. 0 = never.
     replicate_after_loads: int = 2
+    # Pins the model part of the namespace to this name, in place of vLLM's model hash,
+    # the model's name and the fingerprint of its weights (the cache settings and the
+    # page shape still count): engines that load the same weights from different paths
+    # then share chunks. A promise tierstore cannot check: another model under the same
+    # pin reads the first one's KV as its own. None = derived from the engine.
+    model_identity: str | None = None
 
     def __post_init__(self) -> None:
         # One small validator per field or relation, in a fixed order (see ``_CHECKS``).
@@ -249,6 +256,22 @@ def _check_ray_address(cfg: TierStoreConfig) -> None:
         raise ConfigError(f"ray_address: expected 'ip:port' or 'auto', got {address!r}")
     if not address or any(c.isspace() for c in address):
         raise ConfigError(f"ray_address: expected 'ip:port' or 'auto', got {address!r}")
+
+
+def _check_model_identity(cfg: TierStoreConfig) -> None:
+    pin = cfg.model_identity
+    if pin is None:
+        return
+    if (
+        not isinstance(pin, str)
+        or not 0 < len(pin) <= _MAX_PIN_CHARS
+        or not pin.isascii()
+        or not pin.isprintable()
+    ):
+        raise ConfigError(
+            f"model_identity: expected 1-{_MAX_PIN_CHARS} printable ASCII characters naming "
+            f"the weights (e.g. 'llama-3-8b@sha256:ab12...'), got {pin!r}"
+        )
 
 
 def _check_disk(cfg: TierStoreConfig) -> None:
@@ -345,6 +368,7 @@ _CHECKS: tuple[Callable[[TierStoreConfig], None], ...] = (
     _check_watermarks,
     _check_replication,
     _check_timeouts,
+    _check_model_identity,
 )
 
 
@@ -372,6 +396,7 @@ ENGINE_KEYS: tuple[str, ...] = (
     "presence_max_age_ms",
     "hits_from_picture",
     "transfer_timeout_s",
+    "model_identity",
 )
 
 

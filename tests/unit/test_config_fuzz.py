@@ -109,6 +109,10 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "cpu_high_watermark": _bad_fraction,
     "cpu_low_watermark": _bad_fraction | st.floats(0.96, 1.0),  # above the high mark
     "replicate_after_loads": _not_number | st.integers(max_value=-1) | st.floats(),
+    "model_identity": _not_str.filter(lambda v: v is not None)
+    | st.just("")
+    | st.text(min_size=257, max_size=300)
+    | st.text(min_size=1, max_size=12).filter(lambda s: not (s.isascii() and s.isprintable())),
 }
 
 

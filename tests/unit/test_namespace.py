@@ -189,6 +189,27 @@ def test_weights_replaced_in_place_change_the_namespace(tmp_path: Path) -> None:
     assert _namespace(_engine(model)) == before
 
 
+def test_a_pinned_model_identity_shares_across_paths_and_nothing_else(tmp_path: Path) -> None:
+    """``model_identity`` pins the model part: the same weights at two paths share under
+    one pin (their derived namespaces differ by name), another pin is another namespace,
+    and the cache settings and page shape still count."""
+    first = make_tiny_model("llama", tmp_path / "a")
+    second = make_tiny_model("llama", tmp_path / "b")
+    assert _namespace(_engine(first)) != _namespace(_engine(second))  # the name is in it
+
+    def pinned(model: Path, pin: str, **model_kw: Any) -> str:
+        return namespace_for(_config(), engine_identity(_engine(model, **model_kw), pin))
+
+    assert pinned(first, "llama-tiny@1") == pinned(second, "llama-tiny@1")
+    assert pinned(first, "llama-tiny@1") != pinned(first, "llama-tiny@2")
+    assert pinned(first, "llama-tiny@1") != _namespace(_engine(first))
+    cache = _engine(first)
+    cache.cache_config.cache_dtype = "fp8"
+    assert namespace_for(_config(), engine_identity(cache, "llama-tiny@1")) != pinned(
+        first, "llama-tiny@1"
+    )
+
+
 def test_the_fingerprint_samples_each_tensor(tmp_path: Path, model_dir: Path) -> None:
     """One value changed in one tensor (at its start) changes the fingerprint; the file
     is never read whole."""

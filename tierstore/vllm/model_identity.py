@@ -90,17 +90,24 @@ class WeightsFingerprint:
     covers: str  # what the digest covers, for the log
 
 
-def engine_identity(vllm_config: Any) -> dict[str, object]:
+def engine_identity(vllm_config: Any, pinned: str | None = None) -> dict[str, object]:
     """Everything of ``vllm_config`` that changes K/V values beyond the page shape (which
-    ``OffloadingConfig`` already gives). Start-up only: it samples the weight files."""
+    ``OffloadingConfig`` already gives). Start-up only: it samples the weight files.
+
+    ``pinned`` (the ``model_identity`` key) stands in for the model's hash, name and
+    weights: the user's promise that engines under one pin compute the same K/V."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
+    cache_identity = {name: _plain(getattr(cache, name, None)) for name in _CACHE_FIELDS}
+    if pinned is not None:
+        logger.info("tierstore namespace: model pinned as %r (model_identity)", pinned)
+        return {"pinned": pinned, "cache": cache_identity}
     weights = weights_fingerprint(model, _download_dir(vllm_config))
     logger.info("tierstore namespace: model weights fingerprint covers %s", weights.covers)
     identity: dict[str, object] = {
         "model": model_hash(model),
         "weights": weights.digest,
-        "cache": {name: _plain(getattr(cache, name, None)) for name in _CACHE_FIELDS},
+        "cache": cache_identity,
     }
     draft = getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None)
     if draft is not None and draft is not model:

@@ -62,7 +62,7 @@ def namespace_for(config: OffloadingConfig, engine: Mapping[str, object]) -> Nam
         {
             "layout_version": LAYOUT_VERSION,
             "engine": dict(engine),
-            "model": config.model.name,
+            "model": None if "pinned" in engine else config.model.name,
             "dtype": config.model.dtype,
             "kv_bytes_per_block": config.worker_kv_bytes_per_block,
             "tokens_per_hash": config.cache.tokens_per_hash,
@@ -95,7 +95,11 @@ class TierStoreSpecBase(OffloadingSpec):
         # TierStoreConnector makes the engine's config reachable (model_identity).
         vllm_config = current_engine_config()
         self.namespace: Namespace | None = (
-            None if vllm_config is None else namespace_for(config, engine_identity(vllm_config))
+            None
+            if vllm_config is None
+            else namespace_for(
+                config, engine_identity(vllm_config, self.store_config.model_identity)
+            )
         )
 
     def _namespace(self) -> Namespace:
