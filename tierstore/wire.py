@@ -114,7 +114,7 @@ class ShardEntry(NamedTuple):
     nbytes: int
     digest: int
     slot_mask: int
-    parent: bytes | None = None
+    parent: ChunkKey | None = None
 
 
 class RefusedCommit(TierStoreError, ValueError):
@@ -228,7 +228,7 @@ class ShardOffer(NamedTuple):
     rank: int
     world_size: int
     nbytes: int
-    parent: bytes | None = None
+    parent: ChunkKey | None = None  # the previous chunk of its prefix chain, if known
 
 
 def check_offer(value: object, field: str = "offer") -> ShardOffer:

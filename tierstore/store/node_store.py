@@ -470,8 +470,9 @@ class NodeStoreCore(Replicas):
 
 
 def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:
+    parent = None if meta.parent is None else ChunkKey(meta.parent)
     return ShardOffer(
-        shard_id.namespace, shard_id.key, shard_id.rank, meta.world_size, meta.nbytes, meta.parent
+        shard_id.namespace, shard_id.key, shard_id.rank, meta.world_size, meta.nbytes, parent
     )
 
 
