@@ -32,11 +32,15 @@ from tierstore.deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 from tests.e2e.engine_actor import start_engine_on
 from tests.support import E2E_LOOKUP_TIMEOUT_MS, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
+from tierstore.errors import ClusterUnavailableError, RemoteCallTimeout
 
 NAMESPACE = "tierstore-multinode"
 PROMPT = random_prompt(1000, seed=11)
 HOT = random_prompt(1000, seed=12)
 _WAIT_TIMEOUT_S = 60.0
+# The actors' config: the engines' and every lookup of the Evictor use the same one (an
+# Evictor looked up with another config is refused: ConfigMismatchError).
+CFG = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE)
 
 
 def _node_store_stats(node_id: str) -> dict[str, Any]:
@@ -44,7 +48,7 @@ def _node_store_stats(node_id: str) -> dict[str, Any]:
 
 
 def _evictor() -> ray.actor.ActorHandle:
-    return get_or_create_evictor(TierStoreConfig(cpu_bytes_per_node=1, namespace=NAMESPACE))
+    return get_or_create_evictor(CFG)
 
 
 def _wait_for(check: Callable[[dict[str, Any]], bool], what: str) -> float:
@@ -54,7 +58,12 @@ def _wait_for(check: Callable[[dict[str, Any]], bool], what: str) -> float:
     def satisfied() -> bool:
         try:
             return check(ray.get(_evictor().status.remote(), timeout=10))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.GetTimeoutError,
+            ClusterUnavailableError,  # the config check's call, mapped by the client
+            RemoteCallTimeout,
+        ):
             return False  # restarting
 
     wait_for(satisfied, what, _WAIT_TIMEOUT_S, poll_s=0.2)
@@ -65,11 +74,10 @@ def main(model: str, out_path: str) -> None:
     cluster, (node_a, node_b) = simulated_cluster(2, NAMESPACE)
     facts: dict[str, Any] = {"node_a": node_a.node_id, "node_b": node_b.node_id}
     try:
-        cfg = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE)
-        ensure_actors(cfg)
+        ensure_actors(CFG)
         extra = {
             **TIERSTORE_SPEC,
-            "cpu_bytes_per_node": 1 << 30,
+            "cpu_bytes_per_node": CFG.cpu_bytes_per_node,
             "namespace": NAMESPACE,
             "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
         }
@@ -88,7 +96,7 @@ def main(model: str, out_path: str) -> None:
         facts["node_b_after"] = _node_store_stats(node_b.node_id)
 
         hot_runs = []
-        for _ in range(cfg.replicate_after_loads):
+        for _ in range(CFG.replicate_after_loads):
             ray.get(engine_b.reset_prefix_cache.remote())
             hot_runs.append(ray.get(engine_b.run_pass.remote([HOT]))["requests"][0])
         facts["b_hot_remote"] = hot_runs
