@@ -135,11 +135,11 @@ class TierStoreConfig:
     # as a miss. The Evictor answers in 1-2 scheduler steps when healthy (tens of ms);
     # this bounds what a slow or restarting Evictor costs a request.
     lookup_timeout_ms: float = 200.0
-    # Milliseconds a scheduler's picture of which chunks the cluster holds may be old and
+    # Milliseconds a scheduler's cluster view (which chunks the cluster holds) may be old and
     # still answer a lookup MISS without asking the Evictor (refreshed twice as often).
     # A chunk another engine stored within this window is recomputed; 0 = ask every key.
     presence_max_age_ms: float = 200.0
-    # While that picture is fresh, a chunk it shows in some node's memory is a HIT at
+    # While that view is fresh, a chunk it shows in some node's memory is a HIT at
     # once (its lease is taken meanwhile), so the request is scheduled a step sooner. Only
     # under kv_load_failure_policy "recompute": a chunk evicted in between fails its load,
     # and the request recomputes.
