@@ -106,8 +106,9 @@ def soak_cluster(workers: int) -> Iterator[Any]:
 
 
 def store_extra(root: Path, quick: bool) -> dict[str, Any]:
-    """A CPU tier of a few prompts, so most chunks go to disk; the disk budget is larger
-    than the tmpfs, so the filesystem fills before tierstore's own limit."""
+    """A CPU tier of a few prompts, so most chunks go to disk; the disk budget is the
+    whole tmpfs (tierstore refuses a larger one), so the fill fault's file fills the
+    filesystem before tierstore's own limit."""
     from tierstore.deploy.passes import TIERSTORE_SPEC
 
     return {
@@ -115,7 +116,7 @@ def store_extra(root: Path, quick: bool) -> dict[str, Any]:
         "namespace": NAMESPACE,
         "cpu_bytes_per_node": "2MiB",
         "disk_path": str(root),
-        "disk_bytes_per_node": "256MiB",
+        "disk_bytes_per_node": f"{(QUICK if quick else FULL).tmpfs_mib}MiB",
     }
 
 
