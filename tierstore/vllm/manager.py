@@ -100,6 +100,7 @@ class TierStoreManager(OffloadingManager):
             self._metrics,
             self._events,
             cfg.presence_max_age_ms / 1000,
+            local_node,
         )
 
     @property
