@@ -96,12 +96,17 @@ class Presence:
     def in_memory(self, key: ChunkKey, prefer: NodeId | None) -> NodeId | None:
         """A node holding ``key`` in memory, ``prefer`` (the asking engine's node) if it
         does; None if no node does, or only nodes past the first seven do."""
-        cpu = self._table.mask(key) & self._CPU_BITS
+        return self.where(key, prefer)[1]
+
+    def where(self, key: ChunkKey, prefer: NodeId | None) -> tuple[bool, NodeId | None]:
+        """Whether ``key`` is held anywhere, and :meth:`in_memory`'s node (one probe)."""
+        mask = self._table.mask(key)
+        cpu = mask & self._CPU_BITS
         if not cpu:
-            return None
+            return mask != 0, None
         if prefer is not None and cpu & self._bits.get((prefer, TierName.CPU), 0):
-            return prefer
-        return self._nodes[cpu & -cpu]  # the lowest bit set
+            return True, prefer
+        return True, self._nodes[cpu & -cpu]  # the lowest bit set
 
     def apply(self, events: Iterable[ResidencyEvent]) -> None:
         for event in events:
@@ -185,10 +190,21 @@ class ClusterView:
         A chunk demoted to disk since is read from disk by its NodeStore, one held only
         on another node from there; one gone everywhere fails its load and the request
         recomputes, as with any view hit."""
+        return self.locate(key, now, local, stored_here_lately)[1]
+
+    def locate(
+        self, key: ChunkKey, now: float, local: NodeId | None, stored_here_lately: bool
+    ) -> tuple[bool, NodeId | None]:
+        """:meth:`absent` (as False) and :meth:`loadable_from` in one probe: whether
+        ``key`` may be held (False: no node held it as of a fresh snapshot), and where a
+        view hit may load it from."""
         presence = self._fresh(now)
-        if presence is not None and key in presence:
-            return presence.in_memory(key, local)
-        return local if stored_here_lately else None
+        if presence is None:
+            return True, local if stored_here_lately else None
+        held, node = presence.where(key, local)
+        if not held:
+            return False, local if stored_here_lately else None
+        return True, node
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:
