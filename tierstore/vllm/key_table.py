@@ -69,8 +69,8 @@ class KeyTable:
         return xxhash.xxh3_64_intdigest(key) % self._fp_mod + 1
 
     def fingerprints(self, keys: Sequence[bytes]) -> np.ndarray:
-        digest, mod = xxhash.xxh3_64_intdigest, self._fp_mod
-        return np.fromiter((digest(k) % mod + 1 for k in keys), dtype=np.uint64, count=len(keys))
+        digests = np.fromiter(map(xxhash.xxh3_64_intdigest, keys), dtype=np.uint64, count=len(keys))
+        return digests % np.uint64(self._fp_mod) + np.uint64(1)
 
     # ---- one key ---------------------------------------------------------------------------
     def mask(self, key: bytes) -> int:
@@ -96,7 +96,8 @@ class KeyTable:
         becomes 0 is removed; one absent is added only if ``set_bits`` is not 0."""
         if not keys:
             return
-        fps = np.unique(self.fingerprints(keys))
+        fps = np.sort(self.fingerprints(keys))
+        fps = fps[np.concatenate(([True], fps[1:] != fps[:-1]))]  # distinct
         slots = self._find(fps)
         found = slots >= 0
         if found.any():
@@ -140,19 +141,21 @@ class KeyTable:
         self._live += len(fps)
 
     def _place(self, fps: np.ndarray, words: np.ndarray) -> None:
-        """Write each word into the first empty slot of its fingerprint's probe; two
-        words after one slot: the first takes it, the other probes on."""
-        n = len(self._slots)
+        """Write each word into the first empty slot of its fingerprint's probe. Words
+        after one slot are all written there; the one that stays took it, the others
+        probe on (a scatter, no sort: a round costs O(words left))."""
+        slots = self._slots
+        n = len(slots)
         pos = (fps % np.uint64(n)).astype(np.int64)
         pending = np.arange(len(fps))
         while pending.size:
-            free = np.flatnonzero(self._slots[pos[pending]] == _EMPTY)
-            _, first = np.unique(pos[pending[free]], return_index=True)
-            won = free[first]  # indices into pending
-            self._slots[pos[pending[won]]] = words[pending[won]]
-            keep = np.ones(len(pending), dtype=bool)
-            keep[won] = False
-            pending = pending[keep]
+            at = pos[pending]
+            free = slots[at] == _EMPTY
+            trying, tried_at = pending[free], at[free]
+            slots[tried_at] = words[trying]
+            placed = np.zeros(len(pending), dtype=bool)
+            placed[np.flatnonzero(free)[slots[tried_at] == words[trying]]] = True
+            pending = pending[~placed]
             pos[pending] = (pos[pending] + 1) % n
 
     def _rebuild(self, live: int) -> None:
