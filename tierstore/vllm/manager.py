@@ -334,7 +334,8 @@ class TierStoreManager(OffloadingManager):
             self._job_started[frozenset(ordered)] = time.monotonic()
             state.loading.update(ordered)
             # A key still asked (a view hit) gets a whole lease as its ask lands.
-            if held := [k for k in ordered if k not in state.in_flight | state.unasked]:
+            not_leased = state.in_flight | state.unasked
+            if held := [k for k in ordered if k not in not_leased]:
                 ttl_s = self._cfg.lease_ttl_s
                 self._channel.extend_leases(self._namespace, held, state.holder, ttl_s)
             return LoadSpec.build(self._namespace, ordered, where)
