@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Collection, Iterable
 from typing import Any, cast
 
@@ -322,6 +323,7 @@ class TierStoreManager(OffloadingManager):
             state = self._state(req_context)
             ordered = _chunk_keys(keys)
             where = []
+            tiers: Counter[TierName] = Counter()
             for key in ordered:
                 answer = state.answers.get(key)
                 if answer is None or answer.state != LookupState.HIT or answer.where is None:
@@ -330,10 +332,13 @@ class TierStoreManager(OffloadingManager):
                         "which was never a HIT"
                     )
                 where.append(answer.where)
-                self._metrics.count(metrics.LOADED_CHUNKS, tier=answer.tier)
+                tiers[answer.tier] += 1
+            for tier, n in tiers.items():
+                self._metrics.count(metrics.LOADED_CHUNKS, n, tier=tier)
             self._job_started[frozenset(ordered)] = time.monotonic()
             state.loading.update(ordered)
-            # A key still asked (a view hit) gets a whole lease as its ask lands.
+            # A key still asked (a remote view hit) gets a whole lease as its ask lands;
+            # an unasked view hit has none.
             not_leased = state.in_flight | state.unasked
             if held := [k for k in ordered if k not in not_leased]:
                 ttl_s = self._cfg.lease_ttl_s
