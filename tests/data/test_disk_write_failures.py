@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 from tests.support import Answered, fill_filesystem, small_tmpfs
-from tierstore.control.index import NodeActions, ShardOffer
+from tierstore.control.index import NodeActions
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.disk_health import DISK_RETRY_FIRST_S, DISK_RETRY_MAX_S, DiskHealth
 from tierstore.store.node_store import NodeStoreCore
-from tierstore.wire import ShardEntry
+from tierstore.wire import ShardEntry, UnitOffer
 
 NS = Namespace("d15c")
 NODE = NodeId("n1")
@@ -47,11 +47,11 @@ class WriteThroughEvictor:
         self.forgotten: list[ShardId] = []
         self.reports: list[tuple[list[ShardId], int, bool]] = []
 
-    def admit(
-        self, node_id: NodeId, offers: list[ShardOffer]
-    ) -> Answered[tuple[list[bool], NodeActions]]:
-        persist = [ShardId(o.namespace, o.key, o.rank) for o in offers]
-        return Answered(([True] * len(offers), NodeActions(persist=persist)))
+    def admit_units(
+        self, node_id: NodeId, units: list[UnitOffer]
+    ) -> Answered[tuple[list[list[bool]], NodeActions]]:
+        persist = [ShardId(o.namespace, o.key, o.rank) for u in units for o in u.shards]
+        return Answered(([[True] * len(u.shards) for u in units], NodeActions(persist=persist)))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
         return Answered(([True] * len(held), NodeActions()))

@@ -58,6 +58,8 @@ from tierstore.wire import (
     buffer_room,
     check_job,
     check_origin,
+    per_shard,
+    units_of,
 )
 
 __all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "StoreCounters"]
@@ -202,7 +204,10 @@ class NodeStoreCore:
             ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
         ]
         self._report_disk([])  # a degraded disk tier's retry falls due: writes planned again
-        accepted, own = self.evictor.admit(self.node_id, offers).result(ADMIT_TIMEOUT_S)
+        # One offer per token boundary (its KV cache groups' shards): one decision each.
+        units = units_of(offers)
+        answers, own = self.evictor.admit_units(self.node_id, units).result(ADMIT_TIMEOUT_S)
+        accepted = per_shard(offers, units, answers)
         batch = {
             ShardId(namespace, e.key, rank) for e, ok in zip(entries, accepted, strict=True) if ok
         }
