@@ -1,10 +1,11 @@
 """The NodeStore's arena calls: grants to the node's workers, commits, pins for loads.
 
 The arena tier (:class:`~tierstore.data.tiers.arena.ArenaTier`) holds the bytes; this
-adds what needs the rest of the NodeStore: the Evictor's admission of committed shards,
-promotion from disk before a pin, stats. Every call names the arena ``epoch`` the worker
-mapped: a worker still mapping a replaced arena (its NodeStore restarted) is told the
-current one and granted, adopted or pinned nothing.
+adds what needs the rest of the NodeStore: the Evictor's admission of committed shards
+(a TP group's ranks gathered first, :mod:`tierstore.store.rank_gather`, so each token
+boundary is one offer), promotion from disk before a pin, stats. Every call names the
+arena ``epoch`` the worker mapped: a worker still mapping a replaced arena (its
+NodeStore restarted) is told the current one and granted, adopted or pinned nothing.
 
 Called on the NodeStore's threads; the tier has its own lock.
 """
@@ -20,6 +21,7 @@ from tierstore.data.tiers.base import StoredShard
 from tierstore.errors import TierStoreError
 from tierstore.fields import holder_id
 from tierstore.keys import ChunkKey, Namespace, ShardId
+from tierstore.store.rank_gather import Committed, RankGather
 from tierstore.wire import (
     MalformedField,
     RegionInfo,
@@ -49,11 +51,15 @@ class ArenaStore:
     ``hold``, ``settle_store``, ``refused``); counted in the core's
     :class:`~tierstore.store.stats.StoreCounters`, so ``status`` shows one set."""
 
-    def __init__(self, core: NodeStoreCore, tier: ArenaTier) -> None:
+    def __init__(
+        self, core: NodeStoreCore, tier: ArenaTier, gather: RankGather | None = None
+    ) -> None:
         self._core = core
         self._counters = core.counters  # the core's: one status for the node
         self.tier = tier
         self._next_sweep = 0.0
+        # A TP group's ranks' commits, gathered so each boundary is offered once.
+        self._gather = gather if gather is not None else RankGather()
 
     @property
     def epoch(self) -> str:
@@ -87,8 +93,10 @@ class ArenaStore:
         malformed one is refused whole, counted and logged, and nothing is changed for
         it (its extents stay granted: the worker gives them back); the other jobs go on.
         A malformed call (holder, namespace, rank, the list of jobs) raises
-        RefusedCommit, nothing changed. Returns (shards held, current epoch, fresh
-        extents granted to ``holder`` in their place: one per entry, in order, None
+        RefusedCommit, nothing changed. Entries of a TP group (``world_size`` > 1) may
+        wait for the other ranks' commits (:class:`RankGather`) and are admitted with
+        theirs. Returns (shards held now, this call's or gathered ones; current epoch;
+        fresh extents granted to ``holder`` in their place: one per entry, in order, None
         where the arena is full or the job was refused, so a worker's pool refills with
         no call of its own; the refused jobs: (index, why))."""
         core = self._core
@@ -103,7 +111,9 @@ class ArenaStore:
             return 0, self.epoch, [None] * sum(sizes), []
         checked = self._check_jobs(holder, lists)
         good = [e for job in checked if not isinstance(job, MalformedField) for e in job]
-        kept = self._keep(holder, namespace, rank, world_size, good) if good else 0
+        self._gather.add([Committed(holder, namespace, rank, world_size, e) for e in good])
+        ready = self._gather.take(core.holds)
+        kept = self._keep(ready) if ready else 0
         refused = [
             (i, str(core.refused(job, f"commit of job {i} from {holder}")))
             for i, job in enumerate(checked)
@@ -139,31 +149,32 @@ class ArenaStore:
                 claimed.update(e.offset for e in job)
         return checked
 
-    def _keep(
-        self,
-        holder: str,
-        namespace: Namespace,
-        rank: int,
-        world_size: int,
-        entries: list[ShardEntry],
-    ) -> int:
-        """Checked entries: adopt (or write to disk) what the Evictor admits, give the
-        rest back; returns the shards held."""
+    def _keep(self, items: list[Committed]) -> int:
+        """Checked entries, of any ranks (a TP group's, gathered): adopt (or write to
+        disk) what the Evictor admits, give the rest back to their workers; returns the
+        shards held. If the admission fails the entries are parked again, and the error
+        raised (the actor retries the commit after an Evictor restart)."""
         core = self._core
-        accepted, to_disk, persist = core.admit(namespace, rank, world_size, entries)
+        try:
+            accepted, to_disk, persist = core.admit_offers([item.offer for item in items])
+        except BaseException:
+            self._gather.put_back(items)
+            raise
         kept = 0
         lost: list[ShardId] = []
-        for entry, ok in zip(entries, accepted, strict=True):
-            shard_id = ShardId(namespace, entry.key, rank)
-            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
+        for item, ok in zip(items, accepted, strict=True):
+            entry, shard_id = item.entry, item.shard_id
+            meta = ShardMeta(
+                entry.nbytes, entry.digest, entry.slot_mask, item.world_size, entry.parent
+            )
             if not ok:
                 self._counters.add(skipped_shards=1)
-                self.tier.give_back(holder, [entry.offset])
+                self.tier.give_back(item.holder, [entry.offset])
                 continue
             if shard_id in to_disk:  # demoted on admission: straight from the extent to disk
-                held = self._to_disk(holder, shard_id, meta, entry.offset)
+                held = self._to_disk(item.holder, shard_id, meta, entry.offset)
             else:
-                held = self._adopt(holder, shard_id, meta, entry.offset)
+                held = self._adopt(item.holder, shard_id, meta, entry.offset)
             if not held:
                 lost.append(shard_id)
                 continue

@@ -197,25 +197,37 @@ class NodeStoreCore:
     def admit(
         self, namespace: Namespace, rank: int, world_size: int, entries: list[ShardEntry]
     ) -> tuple[list[bool], set[ShardId], list[ShardId]]:
-        """The Evictor's admission of a batch, its room made now. Returns which shards are
-        accepted, those of them to write straight to disk (demoted on admission: a prompt
-        larger than the CPU tier), and the write-through to queue once they are held."""
-        offers = [
-            ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
-        ]
+        """The Evictor's admission of one rank's batch (:meth:`admit_offers`)."""
+        return self.admit_offers(
+            [ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries]
+        )
+
+    def admit_offers(
+        self, offers: list[ShardOffer]
+    ) -> tuple[list[bool], set[ShardId], list[ShardId]]:
+        """The Evictor's admission of a batch (of any ranks), its room made now: one offer
+        per token boundary (every rank's and KV cache group's shard there), one decision
+        each. Returns which shards are accepted, those of them to write straight to disk
+        (demoted on admission: a prompt larger than the CPU tier), and the write-through
+        to queue once they are held."""
         self._report_disk([])  # a degraded disk tier's retry falls due: writes planned again
-        # One offer per token boundary (its KV cache groups' shards): one decision each.
         units = units_of(offers)
         answers, own = self.evictor.admit_units(self.node_id, units).result(ADMIT_TIMEOUT_S)
         accepted = per_shard(offers, units, answers)
         batch = {
-            ShardId(namespace, e.key, rank) for e, ok in zip(entries, accepted, strict=True) if ok
+            ShardId(o.namespace, o.key, o.rank)
+            for o, ok in zip(offers, accepted, strict=True)
+            if ok
         }
         to_disk = {s for s in own.demote if s in batch}
         # Room first; the write-through copies only once the shards are in memory.
         demote = [s for s in own.demote if s not in to_disk]
         self.apply(NodeActions(drop=own.drop, demote=demote, promote=own.promote))
-        return list(accepted), to_disk, list(own.persist)
+        return accepted, to_disk, list(own.persist)
+
+    def holds(self, shard_id: ShardId) -> bool:
+        """Whether this node holds a copy of ``shard_id`` (memory or disk); any thread."""
+        return shard_id in self.cpu or (self.disk is not None and shard_id in self.disk)
 
     def settle_store(self, lost: list[ShardId], persist: list[ShardId]) -> None:
         """After a store: forget what was admitted but not kept; queue the write-through."""
