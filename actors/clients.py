@@ -230,6 +230,9 @@ class NodeStoreClient:
     ) -> Pending[tuple[int, str, list[int | None], list[tuple[int, str]]]]:
         return self._call("arena_commit", holder, epoch, namespace, rank, world_size, jobs)
 
+    def flush_gathered(self) -> Pending[int]:
+        return self._call("flush_gathered")
+
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> Pending[None]:
         return self._call("arena_give_back", holder, epoch, offsets)
 

@@ -7,11 +7,14 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
   unpins. Holds the core's lock only to look shards up and copy them out; never waits
   on the Evictor or a peer.
 - ``control`` (one thread): ``store``, ``arena_commit``, ``apply``, ``accept_replicas``,
-  ``reregister``.
+  ``reregister``, ``flush_gathered``.
   Waits on the Evictor (deadlines below) and writes to disk. One thread keeps the
   Evictor's decisions applied in the order it made them, as before.
 - the default group (one thread): ``inventory``, ``status`` and ``config``: quick
   reads, answered even while a store waits on ``admit``.
+- a flusher thread (not Ray's): while a TP group's shards are gathered, sends this
+  actor ``flush_gathered`` every ``GATHER_WAIT_S``, so a unit no commit completes is
+  offered all the same;
 - a write-through thread (not Ray's): copies stored shards to disk after their store is
   answered, in batches, so a commit never waits behind the last one's disk writes and
   no Ray call to itself is made per store.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +41,7 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
 from tierstore.store.batch_queue import BatchQueue
 from tierstore.store.node_store import NodeStoreCore
+from tierstore.store.rank_gather import GATHER_WAIT_S
 from tierstore.wire import (
     NodeActions,
     RegionInfo,
@@ -139,6 +144,15 @@ class NodeStore:
             peers=RayPeers(cfg.namespace),
         )
         self._arena = ArenaStore(self._core, self._cpu)
+        self._parked = 0  # shards gathered for their TP group (read by the flusher)
+        self._stop = threading.Event()
+        me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
+        # Sends this actor a flush of gathered units no commit came to offer; all arena
+        # work stays on the control thread, so nothing here needs a lock.
+        self._flusher = threading.Thread(
+            target=self._flush_loop, args=(me,), name="tierstore-gather-flush", daemon=True
+        )
+        self._flusher.start()
         recovered = self._core.register_inventory()
         if recovered:
             logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
@@ -248,6 +262,32 @@ class NodeStore:
         except UnknownNodeError:  # as in store(): the Evictor restarted
             self._reregister()
             return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
+        finally:
+            self._parked = self._arena.gathered
+
+    @_CONTROL
+    def flush_gathered(self) -> int:
+        """Offer the TP groups' units that waited long enough for their other ranks
+        (sent by this actor's flusher thread while shards are parked)."""
+        try:
+            held = self._arena.flush_gathered()
+        except UnknownNodeError:  # as in store(): the Evictor restarted
+            self._reregister()
+            held = self._arena.flush_gathered()
+        self._parked = self._arena.gathered
+        return held
+
+    def _flush_loop(self, me: NodeStoreClient) -> None:
+        """The flusher thread: while shards are parked, a flush every
+        :data:`GATHER_WAIT_S` (waited for, so they never pile up); a failed one is
+        logged, never its end."""
+        while not self._stop.wait(GATHER_WAIT_S):
+            if not self._parked:
+                continue
+            try:
+                me.flush_gathered().result()
+            except Exception:
+                logger.warning("flushing gathered shards failed", exc_info=True)
 
     @_DATA
     def arena_give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:
@@ -270,6 +310,7 @@ class NodeStore:
     def __ray_shutdown__(self) -> None:
         """Graceful stop: the arena's file goes (a killed NodeStore's is replaced or
         removed by the next one)."""
+        self._stop.set()
         self._write_through.close(_WRITE_THROUGH_DRAIN_S)
         self._cpu.close()
 
@@ -285,5 +326,6 @@ class NodeStore:
             **self._core.status(),
             "apply_failures": self._apply_failures,
             "write_through_queued": self._write_through.queued,
+            "gathered_shards": self._parked,
             "arena": self._cpu.status(),
         }

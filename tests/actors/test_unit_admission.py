@@ -18,12 +18,12 @@ import ray
 from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 
-from tests.support import wait_for
+from tests.support import poll, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaMapping
 from tierstore.data.checksum import digest
-from tierstore.keys import ChunkKey, Namespace
+from tierstore.keys import ChunkKey, Namespace, ShardId
 from tierstore.wire import LookupState, ShardEntry
 
 NS = Namespace("a7u1")
@@ -55,14 +55,7 @@ def _totals(evictor: Any) -> dict[str, int]:
 def test_a_stores_groups_are_one_decision_and_ranks_complete_the_chunk(
     cfg: TierStoreConfig,
 ) -> None:
-    handle = get_or_create_evictor(cfg)
-    node = ray.get_runtime_context().get_node_id()
-    wait_for(
-        lambda: node in ray.get(handle.status.remote(), timeout=10)["nodes"],
-        "this node registered with the Evictor",
-        timeout_s=60,
-    )
-    store = NodeStoreClient(find_node_store(cfg.namespace, node), node)
+    handle, store, _ = _evictor_and_store(cfg)
     evictor = EvictorClient(handle)
     keys = [_key(b, g) for b in range(BOUNDARIES) for g in range(GROUPS)]
     before = _totals(handle)
@@ -87,9 +80,7 @@ def test_a_stores_groups_are_one_decision_and_ranks_complete_the_chunk(
         assert b"".join(bytes(v) for v in views) == bytes(_job(rank)[1])
 
 
-def test_two_ranks_arena_commits_of_the_same_chunks_are_one_admit_per_boundary(
-    cfg: TierStoreConfig,
-) -> None:
+def _evictor_and_store(cfg: TierStoreConfig) -> tuple[Any, NodeStoreClient, str]:
     handle = get_or_create_evictor(cfg)
     node = ray.get_runtime_context().get_node_id()
     wait_for(
@@ -97,7 +88,30 @@ def test_two_ranks_arena_commits_of_the_same_chunks_are_one_admit_per_boundary(
         "this node registered with the Evictor",
         timeout_s=60,
     )
-    store = NodeStoreClient(find_node_store(cfg.namespace, node), node)
+    return handle, NodeStoreClient(find_node_store(cfg.namespace, node), node), node
+
+
+def _arena_commit(
+    store: NodeStoreClient, mapping: ArenaMapping, lock: HolderLock, rank: int
+) -> None:
+    """Rank ``rank``'s store of the request, as its worker commits it: its bytes written
+    into extents granted to it, then one commit call."""
+    entries, buffer = _job(rank)
+    region, _ = store.arena_info().result()
+    assert region is not None
+    epoch, offsets = store.arena_grant(lock.holder, region.epoch, [SHARD] * len(entries)).result()
+    placed = []
+    for entry, offset in zip(entries, offsets, strict=True):
+        assert offset is not None
+        mapping.view(offset, SHARD)[:] = buffer[entry.offset : entry.offset + SHARD]
+        placed.append(entry._replace(offset=offset))
+    store.arena_commit(lock.holder, epoch, NS, rank, 2, [placed]).result()
+
+
+def test_two_ranks_arena_commits_of_the_same_chunks_are_one_admit_per_boundary(
+    cfg: TierStoreConfig,
+) -> None:
+    handle, store, _ = _evictor_and_store(cfg)
     evictor = EvictorClient(handle)
     region, _ = store.arena_info().result()
     assert region is not None
@@ -107,17 +121,7 @@ def test_two_ranks_arena_commits_of_the_same_chunks_are_one_admit_per_boundary(
     before = _totals(handle)
     try:
         for rank, lock in enumerate(ranks):  # each rank's commit: its own call
-            entries, buffer = _job(rank)
-            epoch, offsets = store.arena_grant(
-                lock.holder, region.epoch, [SHARD] * len(keys)
-            ).result()
-            assert epoch == region.epoch and None not in offsets
-            placed = []
-            for entry, offset in zip(entries, offsets, strict=True):
-                assert offset is not None
-                mapping.view(offset, SHARD)[:] = buffer[entry.offset : entry.offset + SHARD]
-                placed.append(entry._replace(offset=offset))
-            store.arena_commit(lock.holder, epoch, NS, rank, 2, [placed]).result()
+            _arena_commit(store, mapping, lock, rank)
         after = _totals(handle)
         assert after["admit_calls"] - before["admit_calls"] == 1  # once both ranks were in
         assert after["admitted_units"] - before["admitted_units"] == BOUNDARIES
@@ -129,4 +133,29 @@ def test_two_ranks_arena_commits_of_the_same_chunks_are_one_admit_per_boundary(
     finally:
         for lock in ranks:
             lock.close()
+        mapping.close()
+
+
+def test_a_rank_that_never_commits_leaves_a_partial_unit_indexed_not_parked(
+    cfg: TierStoreConfig,
+) -> None:
+    """Rank 1 never commits, and no other commit comes: the NodeStore's flusher offers
+    rank 0's gathered shards all the same (MISSes until a rank 1 would complete them)."""
+    handle, store, node = _evictor_and_store(cfg)
+    region, _ = store.arena_info().result()
+    assert region is not None
+    mapping = ArenaMapping(region)
+    lock = HolderLock(region.path)
+    keys = [_key(b, g) for b in range(BOUNDARIES) for g in range(GROUPS)]
+    try:
+        _arena_commit(store, mapping, lock, 0)
+        indexed = poll(lambda: ray.get(handle.index_view.remote(node), timeout=10), 20)
+        assert {ShardId(*s).key for s, _ in indexed} == set(keys)
+        assert store.status().result()["gathered_shards"] == 0
+        answers = EvictorClient(handle).lookup(NS, keys, "t", 30.0).result()
+        assert {a.state for a in answers} == {LookupState.MISS}
+        views, _ = store.load(NS, 0, keys).result()
+        assert b"".join(bytes(v) for v in views) == bytes(_job(0)[1])
+    finally:
+        lock.close()
         mapping.close()

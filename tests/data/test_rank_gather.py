@@ -140,3 +140,16 @@ def test_shards_gathered_for_a_failed_admission_are_offered_with_the_retry(
     assert tp.commit(1, tp.keys) == 2 * len(tp.keys)  # the retry: its shards again
     assert tp.states(tp.keys) == [LookupState.HIT] * len(tp.keys)
     tp.loads(tp.keys)
+
+
+def test_a_flush_offers_what_no_commit_completes_once_it_waited(tp: TwoRanks) -> None:
+    """No other commit comes (the last request before a pause; rank 1 never stores):
+    the actor's flusher offers rank 0's shards once they waited, not before."""
+    tp.commit(0, tp.keys)
+    assert tp.arena.flush_gathered() == 0 and tp.arena.gathered == len(tp.keys)
+    tp.clock.now += GATHER_WAIT_S
+    assert tp.arena.flush_gathered() == len(tp.keys) and tp.arena.gathered == 0
+    assert {s.key for s, _ in tp.index.shards_on(NODE)} == set(tp.keys)
+    assert tp.states(tp.keys) == [LookupState.MISS] * len(tp.keys)  # rank 1 never came
+    data, _ = tp.core.load(NS, 0, tp.keys)
+    assert bytes(data) == b"".join(bytes(tp.data(0, i)) for i in range(len(tp.keys)))

@@ -183,6 +183,19 @@ class ArenaStore:
         core.settle_store(lost, persist)
         return kept
 
+    def flush_gathered(self) -> int:
+        """Offer the gathered units that are complete or waited long enough (see
+        :class:`RankGather`), as a commit would: for when no commit comes (the last
+        request before a pause, a rank whose shards went through the object store).
+        Control thread; returns the shards held now."""
+        ready = self._gather.take(self._core.holds)
+        return self._keep(ready) if ready else 0
+
+    @property
+    def gathered(self) -> int:
+        """Shards parked waiting for their TP group's other ranks."""
+        return len(self._gather)
+
     def _regrant(self, holder: str, sizes: list[int]) -> list[int | None]:
         """Fresh extents for a holder that just committed (so it is alive); what dead
         holders left is swept first, at most every :data:`_SWEEP_EVERY_S`: with commits
