@@ -153,3 +153,30 @@ def test_a_flush_offers_what_no_commit_completes_once_it_waited(tp: TwoRanks) ->
     assert tp.states(tp.keys) == [LookupState.MISS] * len(tp.keys)  # rank 1 never came
     data, _ = tp.core.load(NS, 0, tp.keys)
     assert bytes(data) == b"".join(bytes(tp.data(0, i)) for i in range(len(tp.keys)))
+
+
+def test_a_failed_admission_parks_the_other_ranks_and_never_adopts_given_back_extents(
+    tp: TwoRanks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admission times out as rank 1 commits: its worker gives its extents back (and
+    may refill them), so only rank 0's gathered shards stay parked; flushed later, rank
+    0's shards are held with their own bytes and nothing of rank 1's is adopted."""
+    tp.commit(0, tp.keys)
+    port = tp.core.evictor
+
+    def unreachable(*args: object) -> None:
+        raise TimeoutError("the Evictor did not answer")
+
+    monkeypatch.setattr(port, "admit_units", unreachable)
+    granted_before = dict(tp.tier.holdings.granted.get(tp.ranks[1].holder, {}))
+    with pytest.raises(TimeoutError):
+        tp.commit(1, tp.keys)
+    monkeypatch.undo()
+    rank1 = tp.tier.holdings.granted[tp.ranks[1].holder]
+    tp.tier.give_back(tp.ranks[1].holder, [o for o in rank1 if o not in granted_before])
+    assert tp.arena.gathered == len(tp.keys)  # rank 0's only
+    tp.clock.now += GATHER_WAIT_S
+    assert tp.arena.flush_gathered() == len(tp.keys)
+    assert {(s.key, s.rank) for s, _ in tp.index.shards_on(NODE)} == {(k, 0) for k in tp.keys}
+    data, _ = tp.core.load(NS, 0, tp.keys)
+    assert bytes(data) == b"".join(bytes(tp.data(0, i)) for i in range(len(tp.keys)))

@@ -113,7 +113,7 @@ class ArenaStore:
         good = [e for job in checked if not isinstance(job, MalformedField) for e in job]
         self._gather.add([Committed(holder, namespace, rank, world_size, e) for e in good])
         ready = self._gather.take(core.holds)
-        kept = self._keep(ready) if ready else 0
+        kept = self._keep(ready, frozenset((holder, e.offset) for e in good)) if ready else 0
         refused = [
             (i, str(core.refused(job, f"commit of job {i} from {holder}")))
             for i, job in enumerate(checked)
@@ -149,16 +149,19 @@ class ArenaStore:
                 claimed.update(e.offset for e in job)
         return checked
 
-    def _keep(self, items: list[Committed]) -> int:
+    def _keep(
+        self, items: list[Committed], calling: frozenset[tuple[str, int]] = frozenset()
+    ) -> int:
         """Checked entries, of any ranks (a TP group's, gathered): adopt (or write to
         disk) what the Evictor admits, give the rest back to their workers; returns the
-        shards held. If the admission fails the entries are parked again, and the error
-        raised (the actor retries the commit after an Evictor restart)."""
+        shards held. If the admission fails, the error is raised and the entries are
+        parked again, but the calling commit's own (``calling``: holder and offset): its
+        worker gives those extents back, or the actor retries the commit with them."""
         core = self._core
         try:
             accepted, to_disk, persist = core.admit_offers([item.offer for item in items])
         except BaseException:
-            self._gather.put_back(items)
+            self._gather.put_back([i for i in items if (i.holder, i.entry.offset) not in calling])
             raise
         kept = 0
         lost: list[ShardId] = []

@@ -87,7 +87,7 @@ class RankGather:
 
     def put_back(self, items: list[Committed]) -> None:
         """Park again shards :meth:`take` gave out whose admission failed (the Evictor
-        unreachable or restarted): the commit is retried, and they go with it."""
+        unreachable or restarted): they go with the next commit or flush."""
         self.add(items)
 
     def __len__(self) -> int:
