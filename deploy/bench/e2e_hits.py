@@ -69,11 +69,12 @@ def run_order(passes: int) -> list[tuple[str, int]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     choice = args.model
-    plan_setup = setup(choice, args.count)
+    passes = getattr(args, "passes", 1)  # tierstore bench has neither option
+    plan_setup = setup(choice, getattr(args, "count", None))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
     binding = omp_binding()
-    overrides = dict(_override(item) for item in args.set or [])
+    overrides = dict(_override(item) for item in getattr(args, "set", None) or [])
     work = args.out / f"e2e-hits-{choice}-work"
     work.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -82,12 +83,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray_session(NAMESPACE) as address,
     ):
         try:
-            for mode, n in run_order(args.passes):
+            for mode, n in run_order(passes):
                 space = Path(disk) / f"run{n}"
                 plan = _plan(plan_setup, model, mode, space, f"{NAMESPACE}-hits-{n}", overrides)
                 runs[mode].append(_run_engine(plan, address, work, f"{mode}-{n}", binding))
         finally:
-            for n in range(args.passes):
+            for n in range(passes):
                 shutdown_actors(f"{NAMESPACE}-hits-{n}")
     summary = {mode: summarize(pooled(runs[mode])["hit_pass"]) for mode in MODES}
     ts, ref = summary["tierstore"], summary["reference"]
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": choice,
         "omp_threads_bind": binding,
         "tierstore_overrides": overrides,
-        "engine_runs": [f"{mode}-{n}" for mode, n in run_order(args.passes)],
+        "engine_runs": [f"{mode}-{n}" for mode, n in run_order(passes)],
         "setup": dict(plan_setup) | {"model": MODELS[choice]},
         "machine": machine_info(),
         "targets": {
