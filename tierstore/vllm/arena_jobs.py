@@ -151,6 +151,11 @@ class ArenaJobs:
         self.unpinned_loads = 0  # same-node loads served with no pin
 
     # ---- set-up ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Worker start-up, never blocks: map the node's arena (and, on CUDA, register
+        it for DMA) on the arena set-up thread now, not at the first job."""
+        self._ready()
+
     def _ready(self, sizes: list[int] | None = None) -> WorkerArena | None:
         """Any thread: the arena if mapped; else start mapping it (once, in the
         background), its pool filled for jobs of ``sizes``."""

@@ -27,7 +27,10 @@ Runtime rules (vLLM's model-runner thread calls every method):
   (``tierstore.connector``) turns it into a recompute of its request; vLLM's plain
   ``OffloadingConnector`` asserts success, so there the engine stops loudly instead of
   computing on wrong KV.
-- a store that fails costs a future recompute only: it is reported done and counted.
+- a store that fails costs a future recompute only: it is reported done and counted;
+  so is one whose copy raised at submit (``failed_store_launches``): the engine goes on.
+- a load never waits behind a store: loads have their own transfer threads, and an
+  arena store's copy is waited out by a thread of its own.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from tierstore.errors import TierStoreError
 from tierstore.store.batch_queue import BatchQueue
 from tierstore.vllm.arena_jobs import ArenaJobs, Commit, PendingCommits
 from tierstore.vllm.cpu_affinity import leave_compute_cores
-from tierstore.vllm.device_copy import Gathered, Scatter, make_copier
+from tierstore.vllm.device_copy import DeviceCopier, Gathered, Scatter, make_copier
 from tierstore.vllm.object_loads import ObjectLoads
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
@@ -93,16 +96,29 @@ class TierStoreWorker(OffloadingWorker):
         world_size: int,
         ports: WorkerPorts,
         transfer_timeout_s: float,
+        copier: DeviceCopier | None = None,
     ) -> None:
+        """Start-up (vLLM's ``get_worker``): ``copier`` is
+        ``make_copier(layout, cfg.pinned_bounce_bytes)`` (on CUDA it reserves the pinned
+        bounce pool; the config's default size if None). Starts mapping (and, on CUDA,
+        registering) the node's arena on a thread of its own, so that the first jobs
+        already find it."""
         self._layout = layout
-        self._copier = make_copier(layout)
+        self._copier = copier or make_copier(layout)
         self._rank = rank
         self._world_size = world_size
         self._ports = ports
         self._timeout_s = transfer_timeout_s
-        # Loads, and arena stores waiting for their device copy; Ray calls release the GIL.
+        # Loads only: a load never queues behind a store. Ray calls release the GIL.
         self._pool = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="tierstore-xfer", initializer=leave_compute_cores
+            max_workers=2, thread_name_prefix="tierstore-load", initializer=leave_compute_cores
+        )
+        # Arena stores whose device copy is still running: one thread waits for each in
+        # turn (they end in order on the one store stream) and queues its commit.
+        self._copy_waits = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="tierstore-store-copy",
+            initializer=leave_compute_cores,
         )
         self._jobs: dict[int, Future[TransferResult]] = {}
         # Store job -> its copy out of the KV blocks: all that wait() needs (the blocks
@@ -111,12 +127,14 @@ class TierStoreWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
+        self.failed_store_launches = 0  # store jobs whose copy could not be started
         self._stores = BatchQueue(
             self._send_stores, "tierstore-stores", on_start=leave_compute_cores
         )
         self._uncommitted = PendingCommits()  # reported done, not answered yet
         self._objects = ObjectLoads(ports, rank, transfer_timeout_s)
         self.arena = ArenaJobs(self._copier, ports.local_node, rank, world_size, self._map_arena)
+        self.arena.start()
 
     def _map_arena(self) -> WorkerArena | None:
         """Arena set-up thread: map the node's arena; a NodeStore that did not answer is
@@ -134,10 +152,16 @@ class TierStoreWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, StoreSpec), type(dst_spec)
-        plan = self._plan(src_spec, len(dst_spec.keys), job_id)
-        # Straight into granted arena extents if the pool has them, else a job buffer.
-        filled = self.arena.gather(plan, src_spec.block_ids)
-        extents, gathered = filled or (None, self._copier.gather(plan, src_spec.block_ids))
+        plan = self._plan(src_spec, len(dst_spec.keys), job_id)  # a mismatch is a bug: raised
+        try:
+            # Straight into granted arena extents if the pool has them, else a job buffer.
+            filled = self.arena.gather(plan, src_spec.block_ids)
+            extents, gathered = filled or (None, self._copier.gather(plan, src_spec.block_ids))
+        except Exception as exc:  # the copy could not even start: a lost store, not a crash
+            self.failed_store_launches += 1
+            self._store_failed(job_id, len(dst_spec.keys), exc, forget_store=False)
+            self._track(job_id, _done(TransferResult(job_id, True, 0, 0.0)))
+            return True
         with self._lock:
             self._gathers[job_id] = gathered
         if extents is None:  # put from the store stream, in submission order
@@ -151,7 +175,7 @@ class TierStoreWorker(OffloadingWorker):
             self._track(job_id, _done(_copied(commit)))
             self._queue_store(commit)
         else:  # a device copy still running: queue it from a transfer thread once done
-            self._track(job_id, self._pool.submit(self._commit_when_copied, commit))
+            self._track(job_id, self._copy_waits.submit(self._commit_when_copied, commit))
         return True
 
     def _commit_when_copied(self, commit: Commit) -> TransferResult:
@@ -226,14 +250,18 @@ class TierStoreWorker(OffloadingWorker):
         finally:
             self._uncommitted.end(batch)
 
-    def _store_failed(self, job_id: int, n_chunks: int, error: Exception) -> None:
+    def _store_failed(
+        self, job_id: int, n_chunks: int, error: Exception, forget_store: bool = True
+    ) -> None:
         """A lost store costs a future recompute, never wrong output: the job is
-        reported done (vLLM has no failure path), counted, and the worker keeps serving."""
+        reported done (vLLM has no failure path), counted, and the worker keeps serving.
+        ``forget_store``: the NodeStore may be what failed (look it up again)."""
         logger.warning(
             "store job %d failed; its %d chunks are not offloaded", job_id, n_chunks, exc_info=error
         )
         self.failed_stores += 1
-        self._ports.forget_node_store(self._ports.local_node)
+        if forget_store:
+            self._ports.forget_node_store(self._ports.local_node)
         try:
             self._ports.report_failed_stores(1)
         except TierStoreError:  # best effort: the Evictor may be what failed
@@ -372,6 +400,7 @@ class TierStoreWorker(OffloadingWorker):
 
     @override
     def shutdown(self) -> None:
+        self._copy_waits.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self._stores.close(self._timeout_s)
         self.arena.close()
