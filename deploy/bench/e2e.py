@@ -162,7 +162,7 @@ def _metric_sum(metrics: dict[str, Any], name: str) -> float:
 
 
 def _metric_count(metrics: dict[str, Any], name: str) -> int:
-    value = metrics.get(name, {})
+    value = metrics.get(name)
     return int(value["count"]) if isinstance(value, dict) else 0
 
 

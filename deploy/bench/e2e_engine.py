@@ -10,7 +10,7 @@ Each engine gets its own process: vLLM engines do not shut down cleanly enough t
 The ``hit_pass`` workload (``count`` unique prompts of ``length`` tokens) stores every
 prompt first (the store pass, drained), empties the device prefix cache, then times the
 same prompts again: every request of the hit pass loads all its full chunks. Every
-workload also records what vLLM's and tierstore's metrics (``LLM.get_metrics``) added up
+workload also records what vLLM's and tierstore's metrics (the Prometheus registry) added up
 over it (``metrics``: per name, a counter's value or a histogram's ``sum`` and ``count``),
 the sources of the hit breakdown (``e2e.breakdown``).
 """
@@ -49,18 +49,23 @@ def _tierstore_totals(namespace: str | None) -> dict[str, int]:
 _METRIC_PREFIXES = ("vllm:kv_offload", "tierstore:")
 
 
-def metric_totals(llm: Any) -> dict[str, Any]:
-    """Counters' values and histograms' sums and counts, added over their label sets."""
+def metric_totals() -> dict[str, Any]:
+    """Counters' values and histograms' sums and counts, added over their label sets,
+    from this process's Prometheus registry (the engine's stat loggers run here; vLLM's
+    ``LLM.get_metrics`` would skip tierstore's names and round counters to integers)."""
+    from prometheus_client import REGISTRY
+
     out: dict[str, Any] = {}
-    for metric in llm.get_metrics():
-        if not metric.name.startswith(_METRIC_PREFIXES):
+    for family in REGISTRY.collect():
+        if not family.name.startswith(_METRIC_PREFIXES) or family.type == "gauge":
             continue
-        if hasattr(metric, "buckets"):
-            total = out.setdefault(metric.name, {"sum": 0.0, "count": 0})
-            total["sum"] += metric.sum
-            total["count"] += metric.count
-        elif hasattr(metric, "value") and not metric.name.startswith("tierstore:cluster_"):
-            out[metric.name] = out.get(metric.name, 0) + metric.value
+        for sample in family.samples:
+            if family.type == "counter" and sample.name.endswith("_total"):
+                out[family.name] = out.get(family.name, 0.0) + sample.value
+            elif family.type == "histogram" and sample.name.endswith(("_sum", "_count")):
+                total = out.setdefault(family.name, {"sum": 0.0, "count": 0})
+                field = "sum" if sample.name.endswith("_sum") else "count"
+                total[field] += sample.value
     return out
 
 
@@ -93,7 +98,7 @@ def run_workload(
         llm.reset_prefix_cache()
         store_pass["wall_s"] = time.perf_counter() - started
     before = _tierstore_totals(namespace)
-    metrics_before = metric_totals(llm)
+    metrics_before = metric_totals()
 
     def generate(prompt: list[int]) -> list[int]:
         result = run_request(llm, prompt, sampling)
@@ -128,7 +133,7 @@ def run_workload(
         "wall_s": wall_s,
         "requests": requests,
         "tierstore": {k: after[k] - before.get(k, 0) for k in after},
-        "metrics": metric_delta(metric_totals(llm), metrics_before),
+        "metrics": metric_delta(metric_totals(), metrics_before),
         **({"store_pass": store_pass} if store_pass else {}),
     }
 
