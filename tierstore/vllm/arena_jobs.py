@@ -164,8 +164,12 @@ class ArenaJobs:
             self._drop(arena)
             arena = None
         if arena is None and not self._no_arena_here and self._copier.in_place:
+            if sizes and not self._first_sizes:  # the mapping (maybe under way) expects them
+                self._first_sizes = sizes
+                late = self._arena  # mapped meanwhile, after it read them: expect them here
+                if late is not None:
+                    late.expect(sizes)
             if time.monotonic() >= self._retry_at and self._connecting.acquire(blocking=False):
-                self._first_sizes = sizes or []
                 threading.Thread(target=self._map, name="tierstore-arena", daemon=True).start()
         return arena
 
@@ -176,9 +180,9 @@ class ArenaJobs:
                 arena.close()  # not registrable for DMA (CUDA): the object store it is
                 arena = None
             self._no_arena_here = arena is None
-            if arena is not None and self._first_sizes:
-                arena.expect(self._first_sizes)
             self._arena = arena
+            if arena is not None and self._first_sizes:  # a job came while it was mapped
+                arena.expect(self._first_sizes)
         except Exception:  # the NodeStore did not answer (restarting?): try again later
             logger.warning("mapping the node's arena failed", exc_info=True)
             self._retry_at = time.monotonic() + _RETRY_MAP_S
