@@ -18,6 +18,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import NodeId
 from tierstore.vllm.cpu_affinity import started_threads_leave_compute_cores
+from tierstore.vllm.device_copy import make_copier
 from tierstore.vllm.evictor_channel import EvictorCalls
 from tierstore.vllm.spec import TierStoreSpecBase
 from tierstore.vllm.worker import TierStoreWorker
@@ -58,4 +59,5 @@ def connect_worker(
     local_store = NodeStoreClient(get_or_create_node_store(cfg, node), node)
     local_store.status().result(cfg.transfer_timeout_s)
     ports = RayWorkerPorts(cfg.namespace, node, evictor, cfg.transfer_timeout_s)
-    return TierStoreWorker(layout, rank, world_size, ports, cfg.transfer_timeout_s)
+    copier = make_copier(layout, cfg.pinned_bounce_bytes)
+    return TierStoreWorker(layout, rank, world_size, ports, cfg.transfer_timeout_s, copier)
