@@ -1,0 +1,271 @@
+"""The compact index makes ChunkIndex's decisions: a differential property test.
+
+``ChunkIndex`` is the reference model. Under random sequences of stores (room, demotions,
+drops, write-through, watermarks, a store's last-resort demotion), lookups (leases,
+promotions, PENDING restored copies), releases, promotions reported done, failed or
+refused, corruption, disk write failures, restores and lost nodes, both indexes must
+return the same answers and actions (each node's lists in the same order) and end every
+step in the same state: stats, byte accounts, the unit tree, every node's copies.
+
+The covered subset is what the compact index ports: the LRU policy, no replicas. The
+one order allowed to differ is ``forget_node``'s drops, which the reference takes from
+a set: those are compared as multisets.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from tierstore.control import compact_index
+from tierstore.control.compact_index import CompactChunkIndex, make_index
+from tierstore.control.index import ChunkIndex, NodeActions, ShardOffer, Watermarks
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+
+pytestmark = pytest.mark.skipif(
+    not compact_index.available(), reason="the compact index's C extension is not built"
+)
+
+NAMESPACES = [Namespace("4ef"), Namespace("b0b")]
+NODES = [NodeId("n0"), NodeId("n1"), NodeId("n2")]
+CHAIN = 4  # boundary b's parent is b - 1 unless b starts a chain
+WIDE = 100  # boundaries from here on are chunks of two ranks, on two nodes
+CPU_BYTES = 200
+
+
+def key(boundary: int, group: int, length: int) -> ChunkKey:
+    """``length`` bytes: short test keys, vLLM's 36, and keys past the inline 40."""
+    return ChunkKey(boundary.to_bytes(length - 4, "big") + group.to_bytes(4, "big"))
+
+
+class Workload:
+    def __init__(self, groups: int, key_len: int) -> None:
+        self.groups, self.key_len = groups, key_len
+
+    def offers(self, ns: Namespace, boundary: int, nbytes: int, rank: int) -> list[ShardOffer]:
+        """A request's store: every chunk of its chain up to ``boundary``."""
+        world = 2 if boundary >= WIDE else 1
+        offers = []
+        for b in range(boundary - boundary % CHAIN, boundary + 1):
+            for g in range(self.groups):
+                parent = key(b - 1, g, self.key_len) if b % CHAIN else None
+                offers.append(ShardOffer(ns, key(b, g, self.key_len), rank, world, nbytes, parent))
+        return offers
+
+    def keys(self, boundary: int) -> list[ChunkKey]:
+        return [o.key for o in self.offers(NAMESPACES[0], boundary, 1, 0)]
+
+
+def _multiset(actions: dict[NodeId, NodeActions]) -> dict[NodeId, Counter[tuple[str, ShardId]]]:
+    return {
+        node: Counter(
+            [("drop", s) for s in a.drop]
+            + [("demote", s) for s in a.demote]
+            + [("promote", s) for s in a.promote]
+            + [("persist", s) for s in a.persist]
+        )
+        for node, a in actions.items()
+    }
+
+
+class Pair:
+    """Runs every call on both indexes and checks that they agree."""
+
+    def __init__(self, disk_bytes: int, marks: Watermarks) -> None:
+        self.compact = CompactChunkIndex("lru", marks)
+        self.ref = ChunkIndex("lru", marks)
+        for node in NODES:
+            self.call("register_node", node, CPU_BYTES, disk_bytes)
+
+    def call(self, method: str, *args: object) -> object:
+        want = getattr(self.ref, method)(*args)
+        got = getattr(self.compact, method)(*args)
+        if method == "forget_node":
+            assert _multiset(got) == _multiset(want), (method, args)  # type: ignore[arg-type]
+        else:
+            assert got == want, (method, args)
+        return got
+
+    def same_state(self, probe: list[tuple[Namespace, ChunkKey]]) -> None:
+        assert self.compact.stats == self.ref.stats
+        assert self.compact.nodes() == self.ref.nodes()
+        assert self.compact.units() == self.ref.units()
+        assert len(self.compact) == len(self.ref)
+        for node in NODES:
+            assert self.compact.shards_on(node) == self.ref.shards_on(node)
+        for cid in probe:
+            assert (cid in self.compact) == (cid in self.ref)
+
+
+def play(pair: Pair, load: Workload, ops: list[tuple[str, int, int, int]], disk_bytes: int) -> None:
+    """Run ``ops`` on both indexes, checking answers, actions and state at each step."""
+    now = 0.0
+    promoting: dict[NodeId, list[ShardId]] = {n: [] for n in NODES}
+    probe: list[tuple[Namespace, ChunkKey]] = []
+    for op, a, b, c in ops:
+        ns = NAMESPACES[b // 3 % 2] if op not in ("release_holder", "forget_node") else None
+        keys = load.keys(a) if op not in ("tick", "promoted") else []
+        holder = f"h{b % 3}"
+        if op == "store":
+            wide = [(0, NODES[b % 3]), (1, NODES[(b + 1) % 3])]
+            for rank, node in wide if a >= WIDE else [(0, NODES[b % 3])]:
+                if node in pair.ref.nodes():
+                    pair.call("admit", node, load.offers(ns, a, c, rank), now)
+        elif op == "lookup":
+            _, actions = pair.call("lookup", ns, keys, holder, now, float(c))  # type: ignore[misc]
+            for node, node_actions in actions.items():
+                promoting[node] += [s for s in node_actions.promote if s not in promoting[node]]
+        elif op == "release":
+            pair.call("release", ns, keys, holder)
+        elif op == "release_holder":
+            pair.call("release_holder", holder)
+        elif op == "extend":
+            pair.call("extend_leases", ns, keys, holder, now, float(c))
+        elif op == "promoted":
+            node = NODES[b % 3]
+            outcomes: list[list[ShardId]] = [[], [], []]
+            outcomes[a], promoting[node] = promoting[node], []
+            pair.call("promoted", node, *outcomes)
+        elif op == "corrupt":
+            method = "forget_shards" if c == 0 else "report_corrupt_after_hit"
+            pair.call(method, [ShardId(ns, k, 0) for k in keys])
+        elif op == "forget_node":
+            pair.call("forget_node", NODES[b % 3])
+            pair.call("register_node", NODES[b % 3], CPU_BYTES, disk_bytes)
+            promoting[NODES[b % 3]] = []
+        elif op == "restore":
+            tier = TierName.DISK if disk_bytes and c % 2 else TierName.CPU
+            held = [(o, tier) for o in load.offers(ns, a, c, 0)]
+            pair.call("restore", NODES[b % 3], held, now, 5.0 if c % 3 else 0.0)
+        elif op == "disk_writes":
+            unwritten = [ShardId(ns, k, 0) for k in keys]
+            pair.call("disk_writes", NODES[b % 3], unwritten, len(unwritten), bool(c))
+        elif op == "probe":
+            for k in keys:
+                pair.call("is_leased", ns, k, now)
+            pair.call("locate", ns, keys, c, NODES[b % 3])
+            probe += [(ns, k) for k in keys]
+        else:
+            now += a
+        pair.same_state(probe)
+
+
+boundaries = st.one_of(st.integers(0, 15), st.integers(WIDE, WIDE + 7))
+store = st.tuples(st.just("store"), boundaries, st.integers(0, 5), st.integers(5, 40))
+lookup = st.tuples(st.just("lookup"), boundaries, st.integers(0, 5), st.sampled_from([5, 100]))
+promoted = st.tuples(st.just("promoted"), st.integers(0, 2), st.integers(0, 2), st.just(0))
+ops = st.lists(
+    st.one_of(
+        store,  # stores weigh four times the rest: the point is pressure
+        store,
+        store,
+        store,
+        lookup,  # and lookups twice, with the promotions they start reported
+        lookup,
+        st.tuples(st.just("release"), boundaries, st.integers(0, 5), st.just(0)),
+        st.tuples(st.just("release_holder"), st.just(0), st.integers(0, 2), st.just(0)),
+        st.tuples(st.just("extend"), boundaries, st.integers(0, 5), st.integers(1, 30)),
+        # a: every promotion under way on node b is done (0), failed (1) or refused (2)
+        promoted,
+        promoted,
+        # before a hit (forget_shards, c=0) or after (report_corrupt_after_hit, c=1)
+        st.tuples(st.just("corrupt"), boundaries, st.integers(0, 5), st.integers(0, 1)),
+        st.tuples(st.just("forget_node"), st.just(0), st.integers(0, 2), st.just(0)),
+        st.tuples(st.just("restore"), boundaries, st.integers(0, 5), st.integers(10, 90)),
+        # the disk writes of chain a on node b%3 failed; the disk is writable unless c=0
+        st.tuples(st.just("disk_writes"), boundaries, st.integers(0, 5), st.integers(0, 3)),
+        st.tuples(st.just("probe"), boundaries, st.integers(0, 5), st.integers(0, 1)),
+        st.tuples(st.just("tick"), st.integers(1, 20), st.just(0), st.just(0)),
+    ),
+    min_size=30,
+    max_size=150,
+)
+
+
+@settings(
+    max_examples=int(os.environ.get("TIERSTORE_HYPOTHESIS_EXAMPLES", "80")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    ops=ops,
+    groups=st.integers(1, 2),
+    key_len=st.sampled_from([12, 36, 68]),
+    disk_bytes=st.sampled_from([0, 300, 1000]),
+    marks=st.sampled_from([Watermarks(0.9, 0.7), Watermarks()]),
+)
+def test_compact_index_decides_as_the_reference(ops, groups, key_len, disk_bytes, marks) -> None:  # type: ignore[no-untyped-def]
+    pair = Pair(disk_bytes, marks)
+    play(pair, Workload(groups, key_len), ops, disk_bytes)
+    for name, n in vars(pair.ref.stats).items():  # what the workload reached
+        if n:
+            event(name)
+
+
+OP_WEIGHTS = {  # a long random workload: pressure, hits on disk, promotions reported
+    "store": 8,
+    "lookup": 6,
+    "promoted": 3,
+    "release": 2,
+    "extend": 1,
+    "release_holder": 1,
+    "corrupt": 1,
+    "forget_node": 0.2,
+    "restore": 1,
+    "disk_writes": 0.5,
+    "probe": 1,
+    "tick": 2,
+}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_long_random_workloads_decide_as_the_reference(seed: int) -> None:
+    """Thousands of steps, deeper than hypothesis's examples reach: long-lived leases,
+    parked units, promotions reported late, nodes lost and back."""
+    rng = random.Random(seed)
+    disk_bytes = [0, 300, 1000][seed % 3]
+    pair = Pair(disk_bytes, [Watermarks(0.9, 0.7), Watermarks()][seed % 2])
+    names = list(OP_WEIGHTS)
+    ops = []
+    for _ in range(2_000):
+        op = rng.choices(names, [OP_WEIGHTS[n] for n in names])[0]
+        a = rng.choice([rng.randrange(16), WIDE + rng.randrange(8)])
+        if op in ("promoted", "tick"):
+            a = rng.randrange(3) if op == "promoted" else rng.randrange(1, 20)
+        c = rng.randrange(4) if op in ("corrupt", "disk_writes", "probe") else rng.randrange(5, 45)
+        ops.append((op, a, rng.randrange(6), c))
+    play(pair, Workload(1 + seed % 2, [12, 36, 68][seed % 3]), ops, disk_bytes)
+    assert pair.ref.stats.hits and pair.ref.stats.evicted_chunks
+
+
+def test_long_prompt_chains_evict_the_same_tails_at_depth() -> None:
+    """Ten thousand units in chains of eight under a full CPU tier and a small disk:
+    every store's demotions and drops match the reference's, in order."""
+    pair = Pair(disk_bytes=6_000, marks=Watermarks())
+    load = Workload(groups=1, key_len=36)
+    ns = NAMESPACES[0]
+    for node in NODES:
+        pair.call("register_node", node, 4_000, 6_000)
+    for b in range(0, 10_000, 8):
+        offers = [
+            ShardOffer(ns, key(i, 0, 36), 0, 1, 10, key(i - 1, 0, 36) if i % 8 else None)
+            for i in range(b, b + 8)
+        ]
+        pair.call("admit", NODES[0], offers, float(b))
+        if b % 64 == 0:
+            pair.call("lookup", ns, load.keys(b // 2), "h", float(b), 1.0)
+    pair.same_state([])
+    assert pair.ref.stats.evicted_chunks > 0 and pair.ref.stats.demoted_shards > 0
+
+
+def test_unsupported_settings_fall_back_to_the_reference() -> None:
+    assert isinstance(make_index(), CompactChunkIndex)
+    assert type(make_index("arc")) is ChunkIndex
+    assert type(make_index(replicate_after_loads=2)) is ChunkIndex
+    with pytest.raises(ValueError, match="lru"):
+        CompactChunkIndex("arc")
