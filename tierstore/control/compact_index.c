@@ -23,7 +23,7 @@
 #include <string.h>
 
 #define NIL UINT32_MAX
-#define KEY_INLINE 40
+#define MAX_NODES (1u << 24) /* a shard's node id has 24 bits */
 #define GROUP_BYTES 4
 #define CPU 0
 #define DISK 1
@@ -49,25 +49,30 @@ enum {
 };
 enum { A_DROP, A_DEMOTE, A_PROMOTE, A_PERSIST, N_ACTION_KINDS };
 
-typedef struct { uint64_t nbytes; uint32_t node; uint32_t flags; } Shard;
+/* Records are packed to 4 bytes: millions of them, and x86 reads a u64 at any offset. */
+#pragma pack(push, 4)
+/* A free run of shards keeps the next free run's index in ``nbytes``. */
+typedef struct { uint64_t nbytes; uint32_t node : 24; uint32_t flags : 8; } Shard;
 
+/* The key's bytes live in the key pool of its length (at ``keyref``); a chunk's hash is
+ * recomputed from them when its table grows. */
 typedef struct {
-    uint64_t hash;
-    uint32_t ns, unit, shards, next, lease;
-    uint32_t world, present;
+    uint32_t ns, unit, shards, next, lease, world, present, keyref;
     uint8_t keylen, alive;
-    uint8_t key[KEY_INLINE]; /* longer keys: a malloc'd copy, its pointer stored here */
 } Chunk;
 
+/* A unit's namespace, boundary and hash are its first chunk's. */
 typedef struct {
-    uint64_t hash, rank;
-    uint32_t ns, chunks, parents, children, waits, cpu_copies, cpu_children, flags;
+    uint64_t rank;
+    uint32_t chunks, parents, children, waits, cpu_copies, cpu_children, flags;
 } Unit;
 
-typedef struct { uint32_t parent, child, pnext, pprev, cnext, cprev; } Edge;
+/* A child's parents are few (one per chain through it): a singly linked list. */
+typedef struct { uint32_t parent, child, pnext, pprev, cnext; } Edge;
 typedef struct { uint64_t phash; uint32_t child, onext, oprev, cnext; } Wait;
 typedef struct { double expiry; uint32_t holder, next; } Lease;
 typedef struct { uint64_t rank; uint32_t unit; } Entry;
+#pragma pack(pop)
 typedef struct { double t; uint64_t tie; uint32_t unit; } Wakeup;
 typedef struct { Entry *a; size_t n, cap, compact_at; } Heap;
 
@@ -78,6 +83,7 @@ typedef struct {
 } Node;
 
 typedef struct { uint32_t *slots; size_t mask, count; } Table;
+typedef struct { uint8_t *a; size_t n, cap; uint32_t free; } KeyPool; /* keys of one length */
 enum { T_CHUNK, T_UNIT, T_ORPHAN };
 
 /* Who may not be evicted in one walk: the call's set of unit hashes, one extra unit
@@ -94,6 +100,7 @@ typedef struct {
     Wait *waits; size_t nwaits, capwaits; uint32_t wait_free;
     Lease *leases; size_t nleases, capleases; uint32_t lease_free;
     Table ctab, utab, otab;
+    KeyPool keys[256];
     Node *nodes; size_t nnodes;
     Wakeup *wk; size_t nwk, capwk; uint64_t tie;
     uint64_t clock;
@@ -145,14 +152,37 @@ static uint64_t hash_bytes(const uint8_t *p, size_t n, uint32_t ns) {
 }
 static size_t boundary_len(size_t keylen) { return keylen > GROUP_BYTES ? keylen - GROUP_BYTES : 0; }
 
-static const uint8_t *chunk_key(const Chunk *ch) {
-    if (ch->keylen <= KEY_INLINE) return ch->key;
-    const uint8_t *p; memcpy(&p, ch->key, sizeof p); return p;
+static size_t key_slot(size_t len) { return len < 4 ? 4 : len; } /* a free slot links the next */
+static const uint8_t *chunk_key(const Core *c, const Chunk *ch) {
+    return c->keys[ch->keylen].a + (size_t)ch->keyref * key_slot(ch->keylen);
+}
+static uint32_t key_store(Core *c, const uint8_t *key, size_t len) {
+    KeyPool *p = &c->keys[len];
+    size_t size = key_slot(len);
+    uint32_t i;
+    if (p->free != NIL) { i = p->free; memcpy(&p->free, p->a + (size_t)i * size, 4); }
+    else { p->a = grow(p->a, &p->cap, p->n + 1, size); i = (uint32_t)p->n++; }
+    memcpy(p->a + (size_t)i * size, key, len);
+    return i;
+}
+static void key_free(Core *c, size_t len, uint32_t i) {
+    KeyPool *p = &c->keys[len];
+    memcpy(p->a + (size_t)i * key_slot(len), &p->free, 4);
+    p->free = i;
+}
+static uint64_t chunk_hash(const Core *c, uint32_t ci) {
+    const Chunk *ch = &c->chunks[ci];
+    return hash_bytes(chunk_key(c, ch), ch->keylen, ch->ns);
+}
+static uint32_t unit_ns(const Core *c, uint32_t u) { return c->chunks[c->units[u].chunks].ns; }
+static uint64_t unit_hash(const Core *c, uint32_t u) {
+    const Chunk *ch = &c->chunks[c->units[u].chunks];
+    return hash_bytes(chunk_key(c, ch), boundary_len(ch->keylen), ch->ns);
 }
 
 /* ---- open addressing -------------------------------------------------------------- */
 static uint64_t tab_hash(Core *c, int kind, uint32_t i) {
-    return kind == T_CHUNK ? c->chunks[i].hash : kind == T_UNIT ? c->units[i].hash : c->waits[i].phash;
+    return kind == T_CHUNK ? chunk_hash(c, i) : kind == T_UNIT ? unit_hash(c, i) : c->waits[i].phash;
 }
 static void tab_put(Table *t, uint64_t h, uint32_t idx) {
     size_t i = h & t->mask;
@@ -197,7 +227,7 @@ static uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len,
     if (!c->ctab.slots) return NIL;
     for (size_t i = h & c->ctab.mask; c->ctab.slots[i] != NIL; i = (i + 1) & c->ctab.mask) {
         Chunk *ch = &c->chunks[c->ctab.slots[i]];
-        if (ch->hash == h && ch->ns == ns && ch->keylen == len && !memcmp(chunk_key(ch), key, len))
+        if (ch->ns == ns && ch->keylen == len && !memcmp(chunk_key(c, ch), key, len))
             return c->ctab.slots[i];
     }
     return NIL;
@@ -205,10 +235,8 @@ static uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len,
 static uint32_t find_unit(Core *c, uint32_t ns, const uint8_t *b, size_t blen, uint64_t h) {
     if (!c->utab.slots) return NIL;
     for (size_t i = h & c->utab.mask; c->utab.slots[i] != NIL; i = (i + 1) & c->utab.mask) {
-        Unit *u = &c->units[c->utab.slots[i]];
-        if (u->hash != h || u->ns != ns) continue;
-        Chunk *ch = &c->chunks[u->chunks];
-        if (boundary_len(ch->keylen) == blen && !memcmp(chunk_key(ch), b, blen))
+        Chunk *ch = &c->chunks[c->units[c->utab.slots[i]].chunks];
+        if (ch->ns == ns && boundary_len(ch->keylen) == blen && !memcmp(chunk_key(c, ch), b, blen))
             return c->utab.slots[i];
     }
     return NIL;
@@ -443,7 +471,7 @@ static void emit(Core *c, int kind, uint32_t node, uint32_t ci, uint32_t rank) {
         Py_DECREF(lists);
     }
     Chunk *ch = &c->chunks[ci];
-    PyObject *sid = shard_id(c, ch->ns, chunk_key(ch), ch->keylen, rank);
+    PyObject *sid = shard_id(c, ch->ns, chunk_key(c, ch), ch->keylen, rank);
     fatal_if(!sid || PyList_Append(PyTuple_GET_ITEM(lists, kind), sid) < 0);
     Py_DECREF(sid);
 }
@@ -456,8 +484,7 @@ static void add_edge(Core *c, uint32_t p, uint32_t ch) {
     ed->pprev = NIL; ed->pnext = c->units[p].children;
     if (ed->pnext != NIL) c->edges[ed->pnext].pprev = e;
     c->units[p].children = e;
-    ed->cprev = NIL; ed->cnext = c->units[ch].parents;
-    if (ed->cnext != NIL) c->edges[ed->cnext].cprev = e;
+    ed->cnext = c->units[ch].parents;
     c->units[ch].parents = e;
     if (c->units[ch].cpu_copies) c->units[p].cpu_children++;
 }
@@ -465,8 +492,9 @@ static void remove_edge(Core *c, uint32_t e) {
     Edge ed = c->edges[e];
     if (ed.pprev != NIL) c->edges[ed.pprev].pnext = ed.pnext; else c->units[ed.parent].children = ed.pnext;
     if (ed.pnext != NIL) c->edges[ed.pnext].pprev = ed.pprev;
-    if (ed.cprev != NIL) c->edges[ed.cprev].cnext = ed.cnext; else c->units[ed.child].parents = ed.cnext;
-    if (ed.cnext != NIL) c->edges[ed.cnext].cprev = ed.cprev;
+    uint32_t *link = &c->units[ed.child].parents;
+    while (*link != e) link = &c->edges[*link].cnext;
+    *link = ed.cnext;
     c->edges[e].pnext = c->edge_free; c->edge_free = e;
     Unit *pu = &c->units[ed.parent];
     if (pu->children == NIL) queue_tier(c, ed.parent, DISK);
@@ -528,16 +556,17 @@ static void lose(Core *c, uint32_t u, Shard *s, int tier) {
 static void free_chunk(Core *c, uint32_t ci) {
     Chunk *ch = &c->chunks[ci];
     if (ch->world <= MAX_POOLED_WORLD) {
-        c->shards[ch->shards].node = c->shard_free[ch->world];
+        c->shards[ch->shards].nbytes = c->shard_free[ch->world];
         c->shard_free[ch->world] = ch->shards;
     }
-    if (ch->keylen > KEY_INLINE) PyMem_RawFree((void *)chunk_key(ch));
+    key_free(c, ch->keylen, ch->keyref);
     ch->alive = 0;
     ch->next = c->chunk_free; c->chunk_free = ci;
     c->live_chunks--;
 }
 
 static void drop_unit(Core *c, uint32_t u) {
+    uint64_t uh = unit_hash(c, u);
     while (c->units[u].parents != NIL) remove_edge(c, c->units[u].parents);
     while (c->units[u].waits != NIL) {
         uint32_t w = c->units[u].waits;
@@ -547,26 +576,25 @@ static void drop_unit(Core *c, uint32_t u) {
     while (c->units[u].children != NIL) { /* only when forced (corruption, node loss) */
         uint32_t e = c->units[u].children, child = c->edges[e].child;
         remove_edge(c, e);
-        add_wait(c, child, c->units[u].hash); /* re-linked if this boundary comes back */
+        add_wait(c, child, uh); /* re-linked if this boundary comes back */
     }
-    uint32_t ci = c->units[u].chunks;
-    while (ci != NIL) {
-        Chunk *ch = &c->chunks[ci];
-        tab_remove(c, &c->ctab, T_CHUNK, ch->hash, ci);
+    for (uint32_t ci = c->units[u].chunks; ci != NIL; ci = c->chunks[ci].next) {
+        tab_remove(c, &c->ctab, T_CHUNK, chunk_hash(c, ci), ci);
         free_leases(c, ci);
-        for (uint32_t r = 0; r < ch->world; r++) {
-            Shard *s = SHARD(c, ch, r);
+        for (uint32_t r = 0; r < c->chunks[ci].world; r++) {
+            Shard *s = SHARD(c, &c->chunks[ci], r);
             if (!(s->flags & S_HELD)) continue;
             lose(c, u, s, CPU);
             lose(c, u, s, DISK);
             emit(c, A_DROP, s->node, ci, r);
-            ch = &c->chunks[ci];
         }
-        uint32_t next = ch->next;
+    }
+    tab_remove(c, &c->utab, T_UNIT, uh, u); /* while its first chunk still names it */
+    for (uint32_t ci = c->units[u].chunks; ci != NIL;) {
+        uint32_t next = c->chunks[ci].next;
         free_chunk(c, ci);
         ci = next;
     }
-    tab_remove(c, &c->utab, T_UNIT, c->units[u].hash, u);
     c->units[u].flags = 0;
     c->units[u].chunks = c->unit_free; c->unit_free = u;
 }
@@ -575,11 +603,11 @@ static void drop_unit(Core *c, uint32_t u) {
 static uint32_t link_chunk(Core *c, uint32_t ci, const uint8_t *parent, size_t plen) {
     Chunk *ch = &c->chunks[ci];
     size_t blen = boundary_len(ch->keylen);
-    uint64_t uh = hash_bytes(chunk_key(ch), blen, ch->ns);
-    uint32_t u = find_unit(c, ch->ns, chunk_key(ch), blen, uh);
+    uint64_t uh = hash_bytes(chunk_key(c, ch), blen, ch->ns);
+    uint32_t u = find_unit(c, ch->ns, chunk_key(c, ch), blen, uh);
     if (u == NIL) {
         u = POOL_NEW(c, units, nunits, capunits, c->unit_free, Unit, chunks);
-        c->units[u] = (Unit){uh, c->clock++, ch->ns, ci, NIL, NIL, NIL, 0, 0, U_ALIVE};
+        c->units[u] = (Unit){c->clock++, ci, NIL, NIL, NIL, 0, 0, U_ALIVE};
         c->chunks[ci].unit = u;
         tab_insert(c, &c->utab, T_UNIT, uh, u);
         uint32_t w = find_orphans(c, uh);
@@ -601,9 +629,9 @@ static uint32_t link_chunk(Core *c, uint32_t ci, const uint8_t *parent, size_t p
     if (!parent) return u;
     size_t pblen = boundary_len(plen);
     uint64_t ph = hash_bytes(parent, pblen, c->chunks[ci].ns);
-    if (ph == uh && pblen == blen && !memcmp(parent, chunk_key(&c->chunks[ci]), blen)) return u;
+    if (ph == uh && pblen == blen && !memcmp(parent, chunk_key(c, &c->chunks[ci]), blen)) return u;
     for (uint32_t e = c->units[u].parents; e != NIL; e = c->edges[e].cnext)
-        if (c->units[c->edges[e].parent].hash == ph) return u;
+        if (unit_hash(c, c->edges[e].parent) == ph) return u;
     for (uint32_t w = c->units[u].waits; w != NIL; w = c->waits[w].cnext)
         if (c->waits[w].phash == ph) return u;
     uint32_t p = find_unit(c, c->chunks[ci].ns, parent, pblen, ph);
@@ -616,17 +644,12 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
     uint32_t ci = POOL_NEW(c, chunks, nchunks, capchunks, c->chunk_free, Chunk, next);
     Chunk *ch = &c->chunks[ci];
     memset(ch, 0, sizeof *ch);
-    ch->hash = h; ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL;
+    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL;
     ch->keylen = (uint8_t)len; ch->alive = 1;
-    if (len <= KEY_INLINE) memcpy(ch->key, key, len);
-    else {
-        uint8_t *p = PyMem_RawMalloc(len);
-        if (!p) Py_FatalError("tierstore compact index: out of memory");
-        memcpy(p, key, len); memcpy(ch->key, &p, sizeof p);
-    }
+    ch->keyref = key_store(c, key, len);
     uint32_t base;
     if (world <= MAX_POOLED_WORLD && c->shard_free[world] != NIL) {
-        base = c->shard_free[world]; c->shard_free[world] = c->shards[base].node;
+        base = c->shard_free[world]; c->shard_free[world] = (uint32_t)c->shards[base].nbytes;
     } else {
         c->shards = grow(c->shards, &c->capshards, c->nshards + world, sizeof(Shard));
         base = (uint32_t)c->nshards; c->nshards += world;
@@ -666,8 +689,10 @@ static int set_has(const uint64_t *set, size_t mask, uint64_t h) {
     return 0;
 }
 static int is_prot(Core *c, const Prot *p, uint32_t u) {
-    uint64_t h = c->units[u].hash;
-    return (p->set && set_has(p->set, p->mask, h)) || u == p->extra || (p->one && h == p->one);
+    if (u == p->extra) return 1;
+    if (!p->set && !p->one) return 0;
+    uint64_t h = unit_hash(c, u);
+    return (p->set && set_has(p->set, p->mask, h)) || (p->one && h == p->one);
 }
 /* The call's protected set: the units of ``hashes`` (a scratch table, one per call). */
 static Prot protect(Core *c, const uint64_t *hashes, size_t n) {
@@ -823,6 +848,10 @@ static long intern(PyObject *ids, PyObject *list, PyObject *name, int create) {
     return (long)n;
 }
 static long node_of(Core *c, PyObject *name, int create) {
+    if (create && (size_t)PyList_GET_SIZE(c->node_list) >= MAX_NODES) {
+        PyErr_SetString(PyExc_OverflowError, "the compact index names at most 2**24 nodes");
+        return -2;
+    }
     long n = intern(c->node_ids, c->node_list, name, create);
     if (n >= 0 && (size_t)n >= c->nnodes) {
         size_t cap = c->nnodes;
@@ -1286,7 +1315,7 @@ static PyObject *Core_shards_on(Core *c, PyObject *name) {
             if (!(s->flags & S_HELD) || s->node != (uint32_t)node) continue;
             for (int t = CPU; t <= DISK; t++) {
                 if (!has_tier(s, t)) continue;
-                PyObject *sid = shard_id(c, ch->ns, chunk_key(ch), ch->keylen, r);
+                PyObject *sid = shard_id(c, ch->ns, chunk_key(c, ch), ch->keylen, r);
                 PyObject *pair = sid ? PyTuple_Pack(2, sid, c->tier_obj[t]) : NULL;
                 Py_XDECREF(sid);
                 if (!pair || PyList_Append(out, pair) < 0) { Py_XDECREF(pair); Py_DECREF(out); return NULL; }
@@ -1299,7 +1328,7 @@ static PyObject *Core_shards_on(Core *c, PyObject *name) {
 
 static PyObject *unit_id(Core *c, uint32_t u) {
     Chunk *ch = &c->chunks[c->units[u].chunks];
-    PyObject *items = Py_BuildValue("(Oy#)", PyList_GET_ITEM(c->ns_list, c->units[u].ns), chunk_key(ch),
+    PyObject *items = Py_BuildValue("(Oy#)", PyList_GET_ITEM(c->ns_list, unit_ns(c, u)), chunk_key(c, ch),
                                     (Py_ssize_t)boundary_len(ch->keylen));
     if (!items) return NULL;
     PyObject *r = make_tuple_of(c->unit_id_t, items);
@@ -1371,6 +1400,7 @@ static PyObject *Core_memory_bytes(Core *c, PyObject *unused) {
     size_t b = c->capchunks * sizeof(Chunk) + c->capshards * sizeof(Shard) + c->capunits * sizeof(Unit)
              + c->capedges * sizeof(Edge) + c->capwaits * sizeof(Wait) + c->capleases * sizeof(Lease)
              + c->capwk * sizeof(Wakeup) + c->pcap * sizeof(uint64_t);
+    for (int i = 0; i < 256; i++) b += c->keys[i].cap * key_slot((size_t)i);
     Table *ts[3] = {&c->ctab, &c->utab, &c->otab};
     for (int i = 0; i < 3; i++) if (ts[i]->slots) b += (ts[i]->mask + 1) * sizeof(uint32_t);
     for (size_t n = 0; n < c->nnodes; n++) b += (c->nodes[n].heap[0].cap + c->nodes[n].heap[1].cap) * sizeof(Entry);
@@ -1391,11 +1421,11 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     if (!c->ns_ids || !c->ns_list || !c->node_ids || !c->node_list || !c->holder_ids || !c->holder_list) return -1;
     c->chunk_free = c->unit_free = c->edge_free = c->wait_free = c->lease_free = NIL;
     for (int i = 0; i <= MAX_POOLED_WORLD; i++) c->shard_free[i] = NIL;
+    for (int i = 0; i < 256; i++) c->keys[i].free = NIL;
     return 0;
 }
 static void Core_dealloc(Core *c) {
-    for (size_t ci = 0; ci < c->nchunks; ci++)
-        if (c->chunks[ci].alive && c->chunks[ci].keylen > KEY_INLINE) PyMem_RawFree((void *)chunk_key(&c->chunks[ci]));
+    for (int i = 0; i < 256; i++) PyMem_RawFree(c->keys[i].a);
     void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->wk, c->pset,
                       c->ctab.slots, c->utab.slots, c->otab.slots};
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
