@@ -42,6 +42,7 @@
 #define U_DYING 4u
 #define U_ASIDE0 8u /* aside in a walk of tier 0 (CPU); tier 1 (DISK) is U_ASIDE0 << 1 */
 #define U_SEEN 32u
+#define U_PROT 64u /* in the running call's protected set */
 
 enum {
     C_STORED, C_HITS, C_MISSES, C_EVICTED, C_DEMOTED, C_PROMOTED, C_DISK_HITS,
@@ -82,13 +83,19 @@ typedef struct {
     Heap heap[2];
 } Node;
 
-typedef struct { uint32_t *slots; size_t mask, count; } Table;
+/* Slots hold record indices; beside each, 8 bits of its hash (a probe dereferences a
+ * record only when those match: 1 in 256 for another key) and its distance from its home
+ * slot (255: farther; then its record is read), so moving it never reads its record. */
+typedef struct { uint32_t *slots; uint16_t *tags; size_t mask, count; } Table;
+#define TAG(h) ((uint16_t)(((h) >> 56) << 8))
+#define TAG_OF(meta) ((uint16_t)((meta) & 0xff00u))
+#define DIST_OF(meta) ((size_t)((meta) & 0xffu))
 typedef struct { uint8_t *a; size_t n, cap; uint32_t free; } KeyPool; /* keys of one length */
 enum { T_CHUNK, T_UNIT, T_ORPHAN };
 
-/* Who may not be evicted in one walk: the call's set of unit hashes, one extra unit
- * (a demotion's own), or only one unit hash (a store's last-resort demotion). */
-typedef struct { const uint64_t *set; size_t mask; uint32_t extra; uint64_t one; } Prot;
+/* Who may not be evicted in one walk: the call's protected units (flagged U_PROT), and
+ * one ``extra`` unit (a demotion's own, or a store's last resort's only one). */
+typedef struct { int flagged; uint32_t extra; } Prot;
 
 typedef struct {
     PyObject_HEAD
@@ -105,7 +112,8 @@ typedef struct {
     Wakeup *wk; size_t nwk, capwk; uint64_t tie;
     uint64_t clock;
     int64_t counts[N_COUNTS];
-    uint64_t *pset; size_t pcap;
+    uint64_t *pset; size_t pcap, pmask; int pset_active; /* the call's protected unit hashes */
+    uint32_t *plist; size_t nplist, capplist;    /* the units flagged U_PROT */
     PyObject *ns_ids, *ns_list, *node_ids, *node_list, *holder_ids, *holder_list;
     PyObject *shard_id_t, *answer_t, *unit_id_t, *hit, *miss_answer, *pending_answer;
     PyObject *tier_obj[2];
@@ -184,17 +192,21 @@ static uint64_t unit_hash(const Core *c, uint32_t u) {
 static uint64_t tab_hash(Core *c, int kind, uint32_t i) {
     return kind == T_CHUNK ? chunk_hash(c, i) : kind == T_UNIT ? unit_hash(c, i) : c->waits[i].phash;
 }
+static uint16_t meta(uint64_t h, size_t dist) { return TAG(h) | (uint16_t)(dist < 255 ? dist : 255); }
 static void tab_put(Table *t, uint64_t h, uint32_t idx) {
     size_t i = h & t->mask;
     while (t->slots[i] != NIL) i = (i + 1) & t->mask;
     t->slots[i] = idx;
+    t->tags[i] = meta(h, (i - h) & t->mask);
 }
 static void tab_insert(Core *c, Table *t, int kind, uint64_t h, uint32_t idx) {
     if (!t->slots || (t->count + 1) * 10 > (t->mask + 1) * 7) {
         size_t old = t->slots ? t->mask + 1 : 0, size = old ? old * 2 : 1024;
         uint32_t *prev = t->slots;
         t->slots = PyMem_RawMalloc(size * sizeof(uint32_t));
-        if (!t->slots) Py_FatalError("tierstore compact index: out of memory");
+        PyMem_RawFree(t->tags);
+        t->tags = PyMem_RawMalloc(size * sizeof(uint16_t));
+        if (!t->slots || !t->tags) Py_FatalError("tierstore compact index: out of memory");
         memset(t->slots, 0xff, size * sizeof(uint32_t));
         t->mask = size - 1;
         for (size_t i = 0; i < old; i++)
@@ -214,10 +226,18 @@ static void tab_remove(Core *c, Table *t, int kind, uint64_t h, uint32_t idx) {
     for (;;) {
         j = (j + 1) & t->mask;
         if (t->slots[j] == NIL) break;
-        size_t k = tab_hash(c, kind, t->slots[j]) & t->mask;
+        uint64_t h2 = 0;
+        size_t d = DIST_OF(t->tags[j]);
+        if (d == 255) { h2 = tab_hash(c, kind, t->slots[j]); d = (j - h2) & t->mask; }
+        size_t k = (j - d) & t->mask;
         /* move the entry at j back to i unless its home k lies cyclically in (i, j] */
         int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
-        if (!stays) { t->slots[i] = t->slots[j]; i = j; }
+        if (!stays) {
+            size_t nd = (i - k) & t->mask;
+            t->slots[i] = t->slots[j];
+            t->tags[i] = TAG_OF(t->tags[j]) | (uint16_t)(nd < 255 ? nd : 255);
+            i = j;
+        }
     }
     t->slots[i] = NIL;
     t->count--;
@@ -225,7 +245,9 @@ static void tab_remove(Core *c, Table *t, int kind, uint64_t h, uint32_t idx) {
 
 static uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, uint64_t h) {
     if (!c->ctab.slots) return NIL;
+    uint16_t tag = TAG(h);
     for (size_t i = h & c->ctab.mask; c->ctab.slots[i] != NIL; i = (i + 1) & c->ctab.mask) {
+        if (TAG_OF(c->ctab.tags[i]) != tag) continue;
         Chunk *ch = &c->chunks[c->ctab.slots[i]];
         if (ch->ns == ns && ch->keylen == len && !memcmp(chunk_key(c, ch), key, len))
             return c->ctab.slots[i];
@@ -234,7 +256,9 @@ static uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len,
 }
 static uint32_t find_unit(Core *c, uint32_t ns, const uint8_t *b, size_t blen, uint64_t h) {
     if (!c->utab.slots) return NIL;
+    uint16_t tag = TAG(h);
     for (size_t i = h & c->utab.mask; c->utab.slots[i] != NIL; i = (i + 1) & c->utab.mask) {
+        if (TAG_OF(c->utab.tags[i]) != tag) continue;
         Chunk *ch = &c->chunks[c->units[c->utab.slots[i]].chunks];
         if (ch->ns == ns && boundary_len(ch->keylen) == blen && !memcmp(chunk_key(c, ch), b, blen))
             return c->utab.slots[i];
@@ -244,7 +268,7 @@ static uint32_t find_unit(Core *c, uint32_t ns, const uint8_t *b, size_t blen, u
 static uint32_t find_orphans(Core *c, uint64_t ph) {
     if (!c->otab.slots) return NIL;
     for (size_t i = ph & c->otab.mask; c->otab.slots[i] != NIL; i = (i + 1) & c->otab.mask)
-        if (c->waits[c->otab.slots[i]].phash == ph) return c->otab.slots[i];
+        if (TAG_OF(c->otab.tags[i]) == TAG(ph) && c->waits[c->otab.slots[i]].phash == ph) return c->otab.slots[i];
     return NIL;
 }
 
@@ -476,6 +500,48 @@ static void emit(Core *c, int kind, uint32_t node, uint32_t ci, uint32_t rank) {
     Py_DECREF(sid);
 }
 
+/* ---- protection -------------------------------------------------------------------- */
+static int set_has(const uint64_t *set, size_t mask, uint64_t h) {
+    for (size_t i = h & mask; set[i]; i = (i + 1) & mask) if (set[i] == h) return 1;
+    return 0;
+}
+static int is_prot(Core *c, const Prot *p, uint32_t u) {
+    return u == p->extra || (p->flagged && (c->units[u].flags & U_PROT));
+}
+static void mark_protected(Core *c, uint32_t u) {
+    if (u == NIL || (c->units[u].flags & U_PROT)) return;
+    c->units[u].flags |= U_PROT;
+    c->plist = grow(c->plist, &c->capplist, c->nplist + 1, sizeof(uint32_t));
+    c->plist[c->nplist++] = u;
+}
+static void unprotect(Core *c) {
+    for (size_t i = 0; i < c->nplist; i++) c->units[c->plist[i]].flags &= ~U_PROT;
+    c->nplist = 0;
+    c->pset_active = 0;
+}
+/* The call's protected set: the units of ``hashes``, whether they exist yet or not (a
+ * unit made during the call is flagged when its hash is in the set). The caller flags
+ * the units that exist now (mark_protected) and calls unprotect() before returning. */
+static Prot protect(Core *c, const uint64_t *hashes, size_t n) {
+    size_t cap = 16;
+    while (cap < 2 * n + 2) cap *= 2;
+    if (cap > c->pcap) {
+        PyMem_RawFree(c->pset);
+        c->pset = PyMem_RawMalloc(cap * sizeof(uint64_t));
+        if (!c->pset) Py_FatalError("tierstore compact index: out of memory");
+        c->pcap = cap;
+    }
+    memset(c->pset, 0, cap * sizeof(uint64_t));
+    for (size_t k = 0; k < n; k++) {
+        size_t i = hashes[k] & (cap - 1);
+        while (c->pset[i] && c->pset[i] != hashes[k]) i = (i + 1) & (cap - 1);
+        c->pset[i] = hashes[k];
+    }
+    c->pset_active = 1;
+    c->pmask = cap - 1;
+    return (Prot){1, NIL};
+}
+
 /* ---- the tree --------------------------------------------------------------------- */
 static void add_edge(Core *c, uint32_t p, uint32_t ch) {
     uint32_t e = POOL_NEW(c, edges, nedges, capedges, c->edge_free, Edge, pnext);
@@ -610,6 +676,7 @@ static uint32_t link_chunk(Core *c, uint32_t ci, const uint8_t *parent, size_t p
         c->units[u] = (Unit){c->clock++, ci, NIL, NIL, NIL, 0, 0, U_ALIVE};
         c->chunks[ci].unit = u;
         tab_insert(c, &c->utab, T_UNIT, uh, u);
+        if (c->pset_active && set_has(c->pset, c->pmask, uh)) mark_protected(c, u);
         uint32_t w = find_orphans(c, uh);
         if (w != NIL) {
             tab_remove(c, &c->otab, T_ORPHAN, uh, w);
@@ -630,13 +697,16 @@ static uint32_t link_chunk(Core *c, uint32_t ci, const uint8_t *parent, size_t p
     size_t pblen = boundary_len(plen);
     uint64_t ph = hash_bytes(parent, pblen, c->chunks[ci].ns);
     if (ph == uh && pblen == blen && !memcmp(parent, chunk_key(c, &c->chunks[ci]), blen)) return u;
-    for (uint32_t e = c->units[u].parents; e != NIL; e = c->edges[e].cnext)
-        if (unit_hash(c, c->edges[e].parent) == ph) return u;
-    for (uint32_t w = c->units[u].waits; w != NIL; w = c->waits[w].cnext)
-        if (c->waits[w].phash == ph) return u;
     uint32_t p = find_unit(c, c->chunks[ci].ns, parent, pblen, ph);
-    if (p != NIL) add_edge(c, p, u);
-    else add_wait(c, u, ph);
+    if (p != NIL) { /* an existing parent: never among the waits, which are for absent ones */
+        for (uint32_t e = c->units[u].parents; e != NIL; e = c->edges[e].cnext)
+            if (c->edges[e].parent == p) return u;
+        add_edge(c, p, u);
+    } else {
+        for (uint32_t w = c->units[u].waits; w != NIL; w = c->waits[w].cnext)
+            if (c->waits[w].phash == ph) return u;
+        add_wait(c, u, ph);
+    }
     return u;
 }
 
@@ -662,11 +732,11 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
     return ci;
 }
 
-/* A new shard of a chunk (the chunk made when new); returns its unit. */
-static uint32_t add_shard(Core *c, uint32_t node, uint32_t ns, const uint8_t *key, size_t len, uint64_t h,
-                          uint32_t rank, uint32_t world, uint64_t nbytes, const uint8_t *parent,
+/* A new shard of chunk ``ci`` (NIL: a new chunk, made here); returns its unit. */
+static uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, uint32_t ns, const uint8_t *key, size_t len,
+                          uint64_t h, uint32_t rank, uint32_t world, uint64_t nbytes, const uint8_t *parent,
                           size_t plen, int tier, uint32_t *chunk_out) {
-    uint32_t ci = find_chunk(c, ns, key, len, h), u;
+    uint32_t u;
     if (ci == NIL) {
         ci = new_chunk(c, ns, key, len, h, world);
         u = link_chunk(c, ci, parent, plen);
@@ -684,35 +754,6 @@ static uint32_t add_shard(Core *c, uint32_t node, uint32_t ns, const uint8_t *ke
 }
 
 /* ---- making room ------------------------------------------------------------------ */
-static int set_has(const uint64_t *set, size_t mask, uint64_t h) {
-    for (size_t i = h & mask; set[i]; i = (i + 1) & mask) if (set[i] == h) return 1;
-    return 0;
-}
-static int is_prot(Core *c, const Prot *p, uint32_t u) {
-    if (u == p->extra) return 1;
-    if (!p->set && !p->one) return 0;
-    uint64_t h = unit_hash(c, u);
-    return (p->set && set_has(p->set, p->mask, h)) || (p->one && h == p->one);
-}
-/* The call's protected set: the units of ``hashes`` (a scratch table, one per call). */
-static Prot protect(Core *c, const uint64_t *hashes, size_t n) {
-    size_t cap = 16;
-    while (cap < 2 * n + 2) cap *= 2;
-    if (cap > c->pcap) {
-        PyMem_RawFree(c->pset);
-        c->pset = PyMem_RawMalloc(cap * sizeof(uint64_t));
-        if (!c->pset) Py_FatalError("tierstore compact index: out of memory");
-        c->pcap = cap;
-    }
-    memset(c->pset, 0, cap * sizeof(uint64_t));
-    for (size_t k = 0; k < n; k++) {
-        size_t i = hashes[k] & (cap - 1);
-        while (c->pset[i] && c->pset[i] != hashes[k]) i = (i + 1) & (cap - 1);
-        c->pset[i] = hashes[k];
-    }
-    return (Prot){c->pset, cap - 1, NIL, 0};
-}
-
 typedef struct { int watermark; uint32_t node; int tier; uint64_t nbytes; double target; } Done;
 static int is_done(Core *c, const Done *d) {
     Node *n = &c->nodes[d->node];
@@ -823,9 +864,9 @@ static int make_cpu_room(Core *c, uint32_t node, uint64_t nbytes, const Prot *p,
     return make_room(c, node, CPU, nbytes, p, now, F_CPU, p);
 }
 /* A store's last resort: demote even protected units (never the offer's own unit). */
-static int demote_for_store(Core *c, uint32_t node, uint64_t nbytes, uint64_t own, const Prot *p, double now) {
+static int demote_for_store(Core *c, uint32_t node, uint64_t nbytes, uint32_t own, const Prot *p, double now) {
     if (c->nodes[node].cap[DISK] == 0) return 0;
-    Prot w = {NULL, 0, NIL, own};
+    Prot w = {0, own};
     return make_room(c, node, CPU, nbytes, &w, now, F_DEMOTE, p);
 }
 static void demote_to_watermark(Core *c, uint32_t node, const Prot *p, double now) {
@@ -929,8 +970,10 @@ static PyObject *begin(Core *c) {
     c->actions = PyDict_New();
     return c->actions;
 }
-static PyObject *finish(Core *c) { PyObject *a = c->actions; c->actions = NULL; return a; }
-static void abort_call(Core *c) { Py_CLEAR(c->actions); }
+/* The end of a call: its actions handed over (or dropped on an error), its protected
+ * units unflagged. */
+static PyObject *finish(Core *c) { PyObject *a = c->actions; c->actions = NULL; unprotect(c); return a; }
+static void abort_call(Core *c) { Py_CLEAR(c->actions); unprotect(c); }
 
 /* ---- Python methods ----------------------------------------------------------------- */
 static PyObject *Core_register_node(Core *c, PyObject *args) {
@@ -962,6 +1005,11 @@ static PyObject *Core_admit(Core *c, PyObject *args) {
         if (of[i].parent) hs[nh++] = of[i].phash;
     }
     Prot p = protect(c, hs, nh);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        mark_protected(c, find_unit(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].uhash));
+        if (of[i].parent)
+            mark_protected(c, find_unit(c, of[i].ns, of[i].parent, boundary_len(of[i].plen), of[i].phash));
+    }
     long invalid = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Offer *o = &of[i];
@@ -971,11 +1019,13 @@ static PyObject *Core_admit(Core *c, PyObject *args) {
         else if (existing != NIL && (o->rank >= c->chunks[existing].world ||
                                      (SHARD(c, &c->chunks[existing], o->rank)->flags & S_HELD))) {
         } else if (!make_cpu_room(c, node, o->nbytes, &p, now) &&
-                   !demote_for_store(c, node, o->nbytes, o->uhash, &p, now)) {
+                   !demote_for_store(c, node, o->nbytes,
+                                     find_unit(c, o->ns, o->key, boundary_len(o->len), o->uhash), &p, now)) {
             c->counts[C_SKIPPED]++;
         } else {
             uint32_t ci;
-            uint32_t u = add_shard(c, node, o->ns, o->key, o->len, o->hash, (uint32_t)o->rank,
+            /* ``existing`` still stands: its unit is protected from every walk above */
+            uint32_t u = add_shard(c, existing, node, o->ns, o->key, o->len, o->hash, (uint32_t)o->rank,
                                    (uint32_t)o->world, o->nbytes, o->parent, o->plen, CPU, &ci);
             verdict = Py_True;
             if (make_disk_room(c, node, o->nbytes, &p, now)) {
@@ -1055,6 +1105,11 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
         hs[i] = hash_bytes(key, boundary_len(len), (uint32_t)ns);
     }
     Prot p = protect(c, hs, (size_t)n);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PyList_GET_ITEM(keys, i);
+        size_t bl = boundary_len((size_t)PyBytes_GET_SIZE(k));
+        mark_protected(c, find_unit(c, (uint32_t)ns, (const uint8_t *)PyBytes_AS_STRING(k), bl, hs[i]));
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = PyList_GET_ITEM(keys, i);
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(k);
@@ -1223,7 +1278,7 @@ static int restore_one(Core *c, uint32_t node, const Offer *o, int tier, uint32_
         uint32_t existing = find_chunk(c, o->ns, o->key, o->len, o->hash);
         if (existing != NIL && o->rank >= c->chunks[existing].world) { emit_offer(c, A_DROP, node, o); return 0; }
         uint32_t nci;
-        add_shard(c, node, o->ns, o->key, o->len, o->hash, (uint32_t)o->rank, (uint32_t)o->world,
+        add_shard(c, existing, node, o->ns, o->key, o->len, o->hash, (uint32_t)o->rank, (uint32_t)o->world,
                   o->nbytes, o->parent, o->plen, tier, &nci);
         if (tier == DISK) SHARD(c, &c->chunks[nci], o->rank)->flags |= S_UNVERIFIED;
         if (grace > 0) lease(c, nci, grace_holder, now + grace);
@@ -1402,7 +1457,7 @@ static PyObject *Core_memory_bytes(Core *c, PyObject *unused) {
              + c->capwk * sizeof(Wakeup) + c->pcap * sizeof(uint64_t);
     for (int i = 0; i < 256; i++) b += c->keys[i].cap * key_slot((size_t)i);
     Table *ts[3] = {&c->ctab, &c->utab, &c->otab};
-    for (int i = 0; i < 3; i++) if (ts[i]->slots) b += (ts[i]->mask + 1) * sizeof(uint32_t);
+    for (int i = 0; i < 3; i++) if (ts[i]->slots) b += (ts[i]->mask + 1) * (sizeof(uint32_t) + sizeof(uint16_t));
     for (size_t n = 0; n < c->nnodes; n++) b += (c->nodes[n].heap[0].cap + c->nodes[n].heap[1].cap) * sizeof(Entry);
     return PyLong_FromSize_t(b);
 }
@@ -1427,7 +1482,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
 static void Core_dealloc(Core *c) {
     for (int i = 0; i < 256; i++) PyMem_RawFree(c->keys[i].a);
     void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->wk, c->pset,
-                      c->ctab.slots, c->utab.slots, c->otab.slots};
+                      c->plist, c->ctab.slots, c->utab.slots, c->otab.slots, c->ctab.tags, c->utab.tags, c->otab.tags};
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
     for (size_t n = 0; n < c->nnodes; n++) { PyMem_RawFree(c->nodes[n].heap[0].a); PyMem_RawFree(c->nodes[n].heap[1].a); }
     PyMem_RawFree(c->nodes);
