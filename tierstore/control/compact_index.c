@@ -97,6 +97,12 @@ enum { T_CHUNK, T_UNIT, T_ORPHAN };
  * one ``extra`` unit (a demotion's own, or a store's last resort's only one). */
 typedef struct { int flagged; uint32_t extra; } Prot;
 
+/* A parsed ShardOffer, its key's, boundary's and parent boundary's hashes computed once. */
+typedef struct {
+    uint32_t ns; const uint8_t *key; size_t len; long long rank, world; uint64_t nbytes;
+    const uint8_t *parent; size_t plen; uint64_t hash, uhash, phash; int valid;
+} Offer;
+
 typedef struct {
     PyObject_HEAD
     double high, low;
@@ -274,19 +280,21 @@ static uint32_t find_orphans(Core *c, uint64_t ph) {
 
 /* ---- heaps ------------------------------------------------------------------------ */
 static int entry_lt(Entry a, Entry b) { return a.rank < b.rank || (a.rank == b.rank && a.unit < b.unit); }
+/* 4-ary: half the depth of a binary heap, a node's children in one or two cache lines. */
+#define ARITY 4
 static void heap_push(Heap *hp, Entry e) {
     hp->a = grow(hp->a, &hp->cap, hp->n + 1, sizeof(Entry));
     size_t i = hp->n++;
-    while (i) { size_t p = (i - 1) / 2; if (!entry_lt(e, hp->a[p])) break; hp->a[i] = hp->a[p]; i = p; }
+    while (i) { size_t p = (i - 1) / ARITY; if (!entry_lt(e, hp->a[p])) break; hp->a[i] = hp->a[p]; i = p; }
     hp->a[i] = e;
 }
 static void heap_sift_down(Heap *hp, size_t i) {
     Entry e = hp->a[i];
     for (;;) {
-        size_t l = 2 * i + 1, m = i;
+        size_t first = ARITY * i + 1, m = i;
         Entry best = e;
-        if (l < hp->n && entry_lt(hp->a[l], best)) { m = l; best = hp->a[l]; }
-        if (l + 1 < hp->n && entry_lt(hp->a[l + 1], best)) { m = l + 1; }
+        for (size_t k = first; k < first + ARITY && k < hp->n; k++)
+            if (entry_lt(hp->a[k], best)) { m = k; best = hp->a[k]; }
         if (m == i) break;
         hp->a[i] = hp->a[m]; i = m;
     }
@@ -361,7 +369,7 @@ static void compact(Core *c, Heap *hp, uint32_t node, int tier) {
     }
     hp->n = kept;
     for (size_t i = 0; i < kept; i++) c->units[hp->a[i].unit].flags &= ~U_SEEN;
-    for (size_t i = kept / 2; i-- > 0;) heap_sift_down(hp, i);
+    for (size_t i = kept / ARITY + 1; i-- > 0;) if (i < kept) heap_sift_down(hp, i);
     hp->compact_at = 2 * kept > COMPACT_MIN ? 2 * kept : COMPACT_MIN;
 }
 static void push(Core *c, uint32_t u, uint32_t node, int tier) {
@@ -665,12 +673,12 @@ static void drop_unit(Core *c, uint32_t u) {
     c->units[u].chunks = c->unit_free; c->unit_free = u;
 }
 
-/* Put new chunk ``ci`` in its unit, creating the unit and its edges as needed. */
-static uint32_t link_chunk(Core *c, uint32_t ci, const uint8_t *parent, size_t plen) {
-    Chunk *ch = &c->chunks[ci];
-    size_t blen = boundary_len(ch->keylen);
-    uint64_t uh = hash_bytes(chunk_key(c, ch), blen, ch->ns);
-    uint32_t u = find_unit(c, ch->ns, chunk_key(c, ch), blen, uh);
+/* Put new chunk ``ci`` (offered as ``o``) in its unit, creating the unit and its edges
+ * as needed. */
+static uint32_t link_chunk(Core *c, uint32_t ci, const Offer *o) {
+    size_t blen = boundary_len(o->len);
+    uint64_t uh = o->uhash;
+    uint32_t u = find_unit(c, o->ns, o->key, blen, uh);
     if (u == NIL) {
         u = POOL_NEW(c, units, nunits, capunits, c->unit_free, Unit, chunks);
         c->units[u] = (Unit){c->clock++, ci, NIL, NIL, NIL, 0, 0, U_ALIVE};
@@ -693,11 +701,11 @@ static uint32_t link_chunk(Core *c, uint32_t ci, const uint8_t *parent, size_t p
         c->chunks[last].next = ci;
         c->chunks[ci].unit = u;
     }
-    if (!parent) return u;
-    size_t pblen = boundary_len(plen);
-    uint64_t ph = hash_bytes(parent, pblen, c->chunks[ci].ns);
-    if (ph == uh && pblen == blen && !memcmp(parent, chunk_key(c, &c->chunks[ci]), blen)) return u;
-    uint32_t p = find_unit(c, c->chunks[ci].ns, parent, pblen, ph);
+    if (!o->parent) return u;
+    size_t pblen = boundary_len(o->plen);
+    uint64_t ph = o->phash;
+    if (ph == uh && pblen == blen && !memcmp(o->parent, o->key, blen)) return u;
+    uint32_t p = find_unit(c, o->ns, o->parent, pblen, ph);
     if (p != NIL) { /* an existing parent: never among the waits, which are for absent ones */
         for (uint32_t e = c->units[u].parents; e != NIL; e = c->edges[e].cnext)
             if (c->edges[e].parent == p) return u;
@@ -732,20 +740,19 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
     return ci;
 }
 
-/* A new shard of chunk ``ci`` (NIL: a new chunk, made here); returns its unit. */
-static uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, uint32_t ns, const uint8_t *key, size_t len,
-                          uint64_t h, uint32_t rank, uint32_t world, uint64_t nbytes, const uint8_t *parent,
-                          size_t plen, int tier, uint32_t *chunk_out) {
+/* The shard offered as ``o`` held on ``node`` in ``tier``: a new shard of chunk ``ci``
+ * (NIL: a new chunk, made here). Returns its unit; its chunk in ``chunk_out``. */
+static uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o, int tier, uint32_t *chunk_out) {
     uint32_t u;
     if (ci == NIL) {
-        ci = new_chunk(c, ns, key, len, h, world);
-        u = link_chunk(c, ci, parent, plen);
+        ci = new_chunk(c, o->ns, o->key, o->len, o->hash, (uint32_t)o->world);
+        u = link_chunk(c, ci, o);
     } else {
         u = c->chunks[ci].unit;
     }
     Chunk *ch = &c->chunks[ci];
-    Shard *s = SHARD(c, ch, rank);
-    *s = (Shard){nbytes, node, S_HELD};
+    Shard *s = SHARD(c, ch, o->rank);
+    *s = (Shard){o->nbytes, node, S_HELD};
     ch->present++;
     gain(c, u, s, tier);
     if (c->chunks[ci].present == c->chunks[ci].world) c->counts[C_STORED]++;
@@ -910,11 +917,6 @@ static int as_bytes(PyObject *o, const uint8_t **p, size_t *n) {
     return 0;
 }
 
-/* A parsed ShardOffer. */
-typedef struct {
-    uint32_t ns; const uint8_t *key; size_t len; long long rank, world; uint64_t nbytes;
-    const uint8_t *parent; size_t plen; uint64_t hash, uhash, phash; int valid;
-} Offer;
 static int parse_offer(Core *c, PyObject *o, Offer *of) {
     if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) < 5) { PyErr_SetString(PyExc_TypeError, "not a ShardOffer"); return -1; }
     long ns = intern(c->ns_ids, c->ns_list, PyTuple_GET_ITEM(o, 0), 1);
@@ -1025,8 +1027,7 @@ static PyObject *Core_admit(Core *c, PyObject *args) {
         } else {
             uint32_t ci;
             /* ``existing`` still stands: its unit is protected from every walk above */
-            uint32_t u = add_shard(c, existing, node, o->ns, o->key, o->len, o->hash, (uint32_t)o->rank,
-                                   (uint32_t)o->world, o->nbytes, o->parent, o->plen, CPU, &ci);
+            uint32_t u = add_shard(c, existing, node, o, CPU, &ci);
             verdict = Py_True;
             if (make_disk_room(c, node, o->nbytes, &p, now)) {
                 gain(c, u, SHARD(c, &c->chunks[ci], o->rank), DISK);
@@ -1278,8 +1279,7 @@ static int restore_one(Core *c, uint32_t node, const Offer *o, int tier, uint32_
         uint32_t existing = find_chunk(c, o->ns, o->key, o->len, o->hash);
         if (existing != NIL && o->rank >= c->chunks[existing].world) { emit_offer(c, A_DROP, node, o); return 0; }
         uint32_t nci;
-        add_shard(c, existing, node, o->ns, o->key, o->len, o->hash, (uint32_t)o->rank, (uint32_t)o->world,
-                  o->nbytes, o->parent, o->plen, tier, &nci);
+        add_shard(c, existing, node, o, tier, &nci);
         if (tier == DISK) SHARD(c, &c->chunks[nci], o->rank)->flags |= S_UNVERIFIED;
         if (grace > 0) lease(c, nci, grace_holder, now + grace);
         return 1;
