@@ -97,6 +97,9 @@ enum { T_CHUNK, T_UNIT, T_ORPHAN };
  * one ``extra`` unit (a demotion's own, or a store's last resort's only one). */
 typedef struct { int flagged; uint32_t extra; } Prot;
 
+/* A protected boundary, flagged when a walk first needs it (most calls make no walk). */
+typedef struct { uint32_t ns; const uint8_t *b; size_t blen; uint64_t h; } PKey;
+
 /* A parsed ShardOffer, its key's, boundary's and parent boundary's hashes computed once. */
 typedef struct {
     uint32_t ns; const uint8_t *key; size_t len; long long rank, world; uint64_t nbytes;
@@ -120,6 +123,7 @@ typedef struct {
     int64_t counts[N_COUNTS];
     uint64_t *pset; size_t pcap, pmask; int pset_active; /* the call's protected unit hashes */
     uint32_t *plist; size_t nplist, capplist;    /* the units flagged U_PROT */
+    PKey *pkeys; size_t npkeys, cappkeys;        /* protected boundaries not looked up yet */
     PyObject *ns_ids, *ns_list, *node_ids, *node_list, *holder_ids, *holder_list;
     PyObject *shard_id_t, *answer_t, *unit_id_t, *hit, *miss_answer, *pending_answer;
     PyObject *tier_obj[2];
@@ -249,6 +253,11 @@ static void tab_remove(Core *c, Table *t, int kind, uint64_t h, uint32_t idx) {
     t->count--;
 }
 
+static void prefetch_slot(const Table *t, uint64_t h) {
+    if (!t->slots) return;
+    __builtin_prefetch(&t->slots[h & t->mask]);
+    __builtin_prefetch(&t->tags[h & t->mask]);
+}
 static uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, uint64_t h) {
     if (!c->ctab.slots) return NIL;
     uint16_t tag = TAG(h);
@@ -525,7 +534,21 @@ static void mark_protected(Core *c, uint32_t u) {
 static void unprotect(Core *c) {
     for (size_t i = 0; i < c->nplist; i++) c->units[c->plist[i]].flags &= ~U_PROT;
     c->nplist = 0;
+    c->npkeys = 0;
     c->pset_active = 0;
+}
+/* Protect the unit of boundary ``b`` (``blen`` bytes, hash ``h``) if it exists when a
+ * walk first runs in this call. Its bytes must outlive the call (the caller's keys). */
+static void want_protected(Core *c, uint32_t ns, const uint8_t *b, size_t blen, uint64_t h) {
+    c->pkeys = grow(c->pkeys, &c->cappkeys, c->npkeys + 1, sizeof(PKey));
+    c->pkeys[c->npkeys++] = (PKey){ns, b, blen, h};
+}
+static void flag_protected(Core *c) {
+    for (size_t i = 0; i < c->npkeys; i++) {
+        PKey *k = &c->pkeys[i];
+        mark_protected(c, find_unit(c, k->ns, k->b, k->blen, k->h));
+    }
+    c->npkeys = 0;
 }
 /* The call's protected set: the units of ``hashes``, whether they exist yet or not (a
  * unit made during the call is flagged when its hash is in the set). The caller flags
@@ -834,6 +857,7 @@ static uint32_t next_candidate(Core *c, uint32_t node, int tier, const Prot *p, 
 static int walk(Core *c, uint32_t node, int tier, const Prot *p, double now, const Done *d,
                 int mode, const Prot *call) {
     if (is_done(c, d)) return 1;
+    flag_protected(c);
     wake(c, now);
     uint32_t *aside = NULL;
     size_t naside = 0, capaside = 0;
@@ -1008,9 +1032,8 @@ static PyObject *Core_admit(Core *c, PyObject *args) {
     }
     Prot p = protect(c, hs, nh);
     for (Py_ssize_t i = 0; i < n; i++) {
-        mark_protected(c, find_unit(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].uhash));
-        if (of[i].parent)
-            mark_protected(c, find_unit(c, of[i].ns, of[i].parent, boundary_len(of[i].plen), of[i].phash));
+        want_protected(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].uhash);
+        if (of[i].parent) want_protected(c, of[i].ns, of[i].parent, boundary_len(of[i].plen), of[i].phash);
     }
     long invalid = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1097,25 +1120,23 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
     long hid = intern(c->holder_ids, c->holder_list, holder, 1);
     if (ns < 0 || hid < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    uint64_t *hs = PyMem_RawMalloc((n + 1) * sizeof(uint64_t));
+    uint64_t *hs = PyMem_RawMalloc((2 * n + 1) * sizeof(uint64_t)); /* boundaries', then keys' */
     PyObject *answers = PyList_New(n);
     if (!hs || !answers || !begin(c)) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) goto fail;
         hs[i] = hash_bytes(key, boundary_len(len), (uint32_t)ns);
+        want_protected(c, (uint32_t)ns, key, boundary_len(len), hs[i]);
+        hs[n + i] = hash_bytes(key, len, (uint32_t)ns);
+        prefetch_slot(&c->ctab, hs[n + i]); /* the batch's probes overlap their misses */
     }
     Prot p = protect(c, hs, (size_t)n);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = PyList_GET_ITEM(keys, i);
-        size_t bl = boundary_len((size_t)PyBytes_GET_SIZE(k));
-        mark_protected(c, find_unit(c, (uint32_t)ns, (const uint8_t *)PyBytes_AS_STRING(k), bl, hs[i]));
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PyList_GET_ITEM(keys, i);
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(k);
         size_t len = (size_t)PyBytes_GET_SIZE(k);
-        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hs[n + i]);
         PyObject *a;
         if (ci == NIL || c->chunks[ci].present != c->chunks[ci].world) {
             c->counts[C_MISSES]++;
@@ -1482,7 +1503,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
 static void Core_dealloc(Core *c) {
     for (int i = 0; i < 256; i++) PyMem_RawFree(c->keys[i].a);
     void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->wk, c->pset,
-                      c->plist, c->ctab.slots, c->utab.slots, c->otab.slots, c->ctab.tags, c->utab.tags, c->otab.tags};
+                      c->plist, c->pkeys, c->ctab.slots, c->utab.slots, c->otab.slots, c->ctab.tags, c->utab.tags, c->otab.tags};
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
     for (size_t n = 0; n < c->nnodes; n++) { PyMem_RawFree(c->nodes[n].heap[0].a); PyMem_RawFree(c->nodes[n].heap[1].a); }
     PyMem_RawFree(c->nodes);
