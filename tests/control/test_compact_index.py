@@ -14,6 +14,7 @@ a set: those are compared as multisets.
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 from collections import Counter
@@ -269,3 +270,21 @@ def test_unsupported_settings_fall_back_to_the_reference() -> None:
     assert type(make_index(replicate_after_loads=2)) is ChunkIndex
     with pytest.raises(ValueError, match="lru"):
         CompactChunkIndex("arc")
+
+
+def test_compact_index_has_chunk_index_public_api() -> None:
+    """Every public method of ChunkIndex, with the same parameters, so the Evictor can
+    hold either."""
+
+    def public(cls: type) -> dict[str, list[str]]:
+        return {
+            name: list(inspect.signature(getattr(cls, name)).parameters)
+            for name in dir(cls)
+            if (not name.startswith("_") or name in ("__len__", "__contains__"))
+            and callable(getattr(cls, name))
+        }
+
+    reference = public(ChunkIndex)
+    compact = public(CompactChunkIndex)
+    assert {n: reference[n] for n in reference} == {n: compact.get(n) for n in reference}
+    assert hasattr(CompactChunkIndex(), "stats")
