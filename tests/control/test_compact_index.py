@@ -264,6 +264,26 @@ def test_long_prompt_chains_evict_the_same_tails_at_depth() -> None:
     assert pair.ref.stats.evicted_chunks > 0 and pair.ref.stats.demoted_shards > 0
 
 
+def test_holders_of_finished_requests_are_forgotten() -> None:
+    """A holder is one request: its id goes with its last lease (released, or expired and
+    seen), so a long-running index does not grow with the requests it has served, and a
+    reused id leases as the reference does."""
+    pair = Pair(disk_bytes=300, marks=Watermarks())
+    load = Workload(groups=1, key_len=36)
+    ns = NAMESPACES[0]
+    for b in range(0, 16, 4):
+        pair.call("admit", NODES[0], load.offers(ns, b + 3, 5, 0), 0.0)
+    for request in range(2_000):
+        keys = load.keys(request % 16)
+        pair.call("lookup", ns, keys, f"engine/{request}", float(request), 5.0)
+        if request % 3:
+            pair.call("release", ns, keys, f"engine/{request}")
+        pair.call("is_leased", ns, keys[0], float(request))
+    pair.call("release_holder", "engine/1999")
+    pair.same_state([])
+    assert pair.compact.holders() <= 16  # at most one per chunk still leased
+
+
 def test_unsupported_settings_fall_back_to_the_reference() -> None:
     assert isinstance(make_index(), CompactChunkIndex)
     assert type(make_index("arc")) is ChunkIndex

@@ -278,7 +278,11 @@ INTERNAL void unpark(Core *c, uint32_t u) {
         queue_everywhere(c, u);
     }
 }
-INTERNAL void lease(Core *c, uint32_t ci, uint32_t holder, double until) {
+/* Lease chunk ``ci`` to ``holder`` until ``until``, at ``now``: expired leases of the
+ * chunk go first (ChunkIndex keeps them until it next looks; either way they hold
+ * nothing, and a request that never released its lease must not keep its holder). */
+INTERNAL void lease(Core *c, uint32_t ci, uint32_t holder, double now, double until) {
+    is_leased(c, ci, now);
     for (uint32_t li = c->chunks[ci].lease; li != NIL; li = c->leases[li].next) {
         if (c->leases[li].holder != holder) continue;
         double before = c->leases[li].expiry;
@@ -291,10 +295,22 @@ INTERNAL void lease(Core *c, uint32_t ci, uint32_t holder, double until) {
     uint32_t li = POOL_NEW(c, leases, nleases, capleases, c->lease_free, Lease, next);
     c->leases[li] = (Lease){until, holder, c->chunks[ci].lease};
     c->chunks[ci].lease = li;
+    c->holder_refs[holder]++;
+}
+/* Lease ``li`` (unlinked by the caller) back to its pool; its holder's last one? The
+ * holder's id is freed at the end of the call (sweep_holders), never during it. */
+static void free_lease(Core *c, uint32_t li) {
+    uint32_t h = c->leases[li].holder;
+    if (--c->holder_refs[h] == 0) {
+        c->zero_holders = grow(c->zero_holders, &c->capzero, c->nzero + 1, sizeof(uint32_t));
+        c->zero_holders[c->nzero++] = h;
+    }
+    c->leases[li].next = c->lease_free;
+    c->lease_free = li;
 }
 static void free_leases(Core *c, uint32_t ci) {
     uint32_t li = c->chunks[ci].lease;
-    while (li != NIL) { uint32_t nx = c->leases[li].next; c->leases[li].next = c->lease_free; c->lease_free = li; li = nx; }
+    while (li != NIL) { uint32_t nx = c->leases[li].next; free_lease(c, li); li = nx; }
     c->chunks[ci].lease = NIL;
 }
 /* Drop ``holder``'s lease on chunk ``ci``; 1 if it had one. */
@@ -303,7 +319,7 @@ INTERNAL int release_one(Core *c, uint32_t ci, uint32_t holder) {
     for (uint32_t li = *link; li != NIL; link = &c->leases[li].next, li = *link) {
         if (c->leases[li].holder != holder) continue;
         *link = c->leases[li].next;
-        c->leases[li].next = c->lease_free; c->lease_free = li;
+        free_lease(c, li);
         uint32_t u = c->chunks[ci].unit;
         if (c->chunks[ci].lease == NIL) unpark(c, u);
         else if (c->units[u].flags & U_PARKED) wk_push(c, lease_max(c, c->chunks[ci].lease), u);
@@ -315,7 +331,7 @@ INTERNAL int is_leased(Core *c, uint32_t ci, double now) {
     uint32_t *link = &c->chunks[ci].lease;
     while (*link != NIL) {
         uint32_t li = *link;
-        if (c->leases[li].expiry <= now) { *link = c->leases[li].next; c->leases[li].next = c->lease_free; c->lease_free = li; }
+        if (c->leases[li].expiry <= now) { *link = c->leases[li].next; free_lease(c, li); }
         else link = &c->leases[li].next;
     }
     return c->chunks[ci].lease != NIL;

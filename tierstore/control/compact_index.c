@@ -14,6 +14,45 @@ static long intern(PyObject *ids, PyObject *list, PyObject *name, int create) {
     Py_DECREF(id);
     return (long)n;
 }
+/* A lease holder's id (``create``: a new one if unknown). A new id has no lease yet: it
+ * is queued for the sweep, which frees it unless the call leases something to it. */
+static long holder_of(Core *c, PyObject *name, int create) {
+    PyObject *v = PyDict_GetItemWithError(c->holder_ids, name);
+    if (v) return PyLong_AsLong(v);
+    if (PyErr_Occurred() || !create) return PyErr_Occurred() ? -2 : -1;
+    size_t id;
+    if (c->nholder_free) {
+        id = c->holder_free[--c->nholder_free];
+        Py_INCREF(name);
+        PyList_SetItem(c->holder_list, (Py_ssize_t)id, name);
+    } else {
+        id = (size_t)PyList_GET_SIZE(c->holder_list);
+        if (PyList_Append(c->holder_list, name) < 0) return -2;
+    }
+    PyObject *key = PyLong_FromSize_t(id);
+    if (!key || PyDict_SetItem(c->holder_ids, name, key) < 0) { Py_XDECREF(key); return -2; }
+    Py_DECREF(key);
+    c->holder_refs = grow(c->holder_refs, &c->capholder_refs, id + 1, sizeof(uint32_t));
+    c->holder_refs[id] = 0;
+    c->zero_holders = grow(c->zero_holders, &c->capzero, c->nzero + 1, sizeof(uint32_t));
+    c->zero_holders[c->nzero++] = (uint32_t)id;
+    return (long)id;
+}
+/* The end of a call: free the ids of holders left without a lease. */
+static void sweep_holders(Core *c) {
+    for (size_t i = 0; i < c->nzero; i++) {
+        uint32_t id = c->zero_holders[i];
+        PyObject *name = PyList_GET_ITEM(c->holder_list, id);
+        if (c->holder_refs[id] || name == Py_None) continue;
+        if (PyDict_DelItem(c->holder_ids, name) < 0) PyErr_Clear();
+        Py_INCREF(Py_None);
+        PyList_SetItem(c->holder_list, id, Py_None);
+        c->holder_free = grow(c->holder_free, &c->capholder_free, c->nholder_free + 1, sizeof(uint32_t));
+        c->holder_free[c->nholder_free++] = id;
+    }
+    c->nzero = 0;
+}
+
 static long node_of(Core *c, PyObject *name, int create) {
     if (create && (size_t)PyList_GET_SIZE(c->node_list) >= MAX_NODES) {
         PyErr_SetString(PyExc_OverflowError, "the compact index names at most 2**24 nodes");
@@ -93,8 +132,14 @@ static PyObject *begin(Core *c) {
 }
 /* The end of a call: its actions handed over (or dropped on an error), its protected
  * units unflagged. */
-static PyObject *finish(Core *c) { PyObject *a = c->actions; c->actions = NULL; unprotect(c); return a; }
-static void abort_call(Core *c) { Py_CLEAR(c->actions); unprotect(c); }
+static PyObject *finish(Core *c) {
+    PyObject *a = c->actions;
+    c->actions = NULL;
+    unprotect(c);
+    sweep_holders(c);
+    return a;
+}
+static void abort_call(Core *c) { Py_CLEAR(c->actions); unprotect(c); sweep_holders(c); }
 
 /* ---- Python methods ----------------------------------------------------------------- */
 static PyObject *Core_register_node(Core *c, PyObject *args) {
@@ -197,7 +242,7 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder; double now, ttl;
     if (!PyArg_ParseTuple(args, "OO!Odd", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl)) return NULL;
     long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
-    long hid = intern(c->holder_ids, c->holder_list, holder, 1);
+    long hid = holder_of(c, holder, 1);
     if (ns < 0 || hid < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     uint64_t *hs = PyMem_RawMalloc((2 * n + 1) * sizeof(uint64_t)); /* boundaries', then keys' */
@@ -223,7 +268,7 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
             a = c->miss_answer; Py_INCREF(a);
         } else {
             uint32_t u = c->chunks[ci].unit;
-            lease(c, ci, (uint32_t)hid, now + ttl);
+            lease(c, ci, (uint32_t)hid, now, now + ttl);
             c->units[u].rank = c->clock++; /* touched: the LRU's newest */
             a = answer(c, u, ci, &p, now);
             if (!a) goto fail;
@@ -241,14 +286,15 @@ static PyObject *Core_extend_leases(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder; double now, ttl;
     if (!PyArg_ParseTuple(args, "OO!Odd", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl)) return NULL;
     long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
-    long hid = intern(c->holder_ids, c->holder_list, holder, 1);
+    long hid = holder_of(c, holder, 1);
     if (ns < 0 || hid < 0) return NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) return NULL;
         uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
-        if (ci != NIL) lease(c, ci, (uint32_t)hid, now + ttl);
+        if (ci != NIL) lease(c, ci, (uint32_t)hid, now, now + ttl);
     }
+    sweep_holders(c);
     Py_RETURN_NONE;
 }
 
@@ -256,7 +302,7 @@ static PyObject *Core_release(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder;
     if (!PyArg_ParseTuple(args, "OO!O", &ns_obj, &PyList_Type, &keys, &holder)) return NULL;
     long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
-    long hid = intern(c->holder_ids, c->holder_list, holder, 0);
+    long hid = holder_of(c, holder, 0);
     if (ns < 0 || hid == -2 || PyErr_Occurred()) return NULL;
     if (hid < 0) Py_RETURN_NONE; /* a holder never seen holds nothing */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
@@ -265,15 +311,17 @@ static PyObject *Core_release(Core *c, PyObject *args) {
         uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
         if (ci != NIL) release_one(c, ci, (uint32_t)hid);
     }
+    sweep_holders(c);
     Py_RETURN_NONE;
 }
 
 static PyObject *Core_release_holder(Core *c, PyObject *holder) {
-    long hid = intern(c->holder_ids, c->holder_list, holder, 0);
+    long hid = holder_of(c, holder, 0);
     if (hid == -2 || PyErr_Occurred()) return NULL;
     if (hid < 0) Py_RETURN_NONE;
     for (size_t ci = 0; ci < c->nchunks; ci++)
         if (c->chunks[ci].alive && c->chunks[ci].lease != NIL) release_one(c, (uint32_t)ci, (uint32_t)hid);
+    sweep_holders(c);
     Py_RETURN_NONE;
 }
 
@@ -284,7 +332,9 @@ static PyObject *Core_is_leased(Core *c, PyObject *args) {
     const uint8_t *key; size_t len;
     if (ns < 0 || as_bytes(key_obj, &key, &len) < 0) return NULL;
     uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
-    return PyBool_FromLong(ci != NIL && is_leased(c, ci, now));
+    int leased = ci != NIL && is_leased(c, ci, now);
+    sweep_holders(c);
+    return PyBool_FromLong(leased);
 }
 
 static PyObject *Core_promoted(Core *c, PyObject *args) {
@@ -382,7 +432,7 @@ static int restore_one(Core *c, uint32_t node, const Offer *o, int tier, uint32_
         uint32_t nci;
         add_shard(c, existing, node, o, tier, &nci);
         if (tier == DISK) SHARD(c, &c->chunks[nci], o->rank)->flags |= S_UNVERIFIED;
-        if (grace > 0) lease(c, nci, grace_holder, now + grace);
+        if (grace > 0) lease(c, nci, grace_holder, now, now + grace);
         return 1;
     }
     if (mine && (s->flags & S_DISK)) emit_offer(c, A_DEMOTE, node, o); /* keep the disk copy */
@@ -395,7 +445,7 @@ static PyObject *Core_restore(Core *c, PyObject *args) {
     PyObject *name, *held, *grace_name; double now, grace;
     if (!PyArg_ParseTuple(args, "OO!ddO", &name, &PyList_Type, &held, &now, &grace, &grace_name)) return NULL;
     long node = node_of(c, name, 0);
-    long gh = intern(c->holder_ids, c->holder_list, grace_name, 1);
+    long gh = holder_of(c, grace_name, 1);
     if (node < 0 || !c->nodes[node].registered) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name); return NULL; }
     if (gh < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(held);
@@ -546,6 +596,8 @@ static PyObject *Core_contains(Core *c, PyObject *args) {
 
 static PyObject *Core_size(Core *c, PyObject *unused) { return PyLong_FromSize_t(c->live_chunks); }
 
+static PyObject *Core_holders(Core *c, PyObject *unused) { return PyDict_Size(c->holder_ids) >= 0 ? PyLong_FromSsize_t(PyDict_Size(c->holder_ids)) : NULL; }
+
 static PyObject *Core_drain_counts(Core *c, PyObject *unused) {
     PyObject *t = PyTuple_New(N_COUNTS);
     for (int i = 0; t && i < N_COUNTS; i++) { PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(c->counts[i])); c->counts[i] = 0; }
@@ -587,6 +639,7 @@ static void Core_dealloc(Core *c) {
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
     for (size_t n = 0; n < c->nnodes; n++) { PyMem_RawFree(c->nodes[n].heap[0].a); PyMem_RawFree(c->nodes[n].heap[1].a); }
     PyMem_RawFree(c->nodes);
+    PyMem_RawFree(c->holder_refs); PyMem_RawFree(c->holder_free); PyMem_RawFree(c->zero_holders);
     Py_XDECREF(c->ns_ids); Py_XDECREF(c->ns_list); Py_XDECREF(c->node_ids); Py_XDECREF(c->node_list);
     Py_XDECREF(c->holder_ids); Py_XDECREF(c->holder_list); Py_XDECREF(c->actions);
     Py_XDECREF(c->shard_id_t); Py_XDECREF(c->answer_t); Py_XDECREF(c->unit_id_t); Py_XDECREF(c->hit);
@@ -613,6 +666,7 @@ static PyMethodDef Core_methods[] = {
     {"locate", (PyCFunction)Core_locate, METH_VARARGS, NULL},
     {"contains", (PyCFunction)Core_contains, METH_VARARGS, NULL},
     {"size", (PyCFunction)Core_size, METH_NOARGS, NULL},
+    {"holders", (PyCFunction)Core_holders, METH_NOARGS, NULL},
     {"drain_counts", (PyCFunction)Core_drain_counts, METH_NOARGS, NULL},
     {"memory_bytes", (PyCFunction)Core_memory_bytes, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},

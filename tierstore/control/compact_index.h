@@ -133,6 +133,10 @@ typedef struct {
     uint32_t *plist; size_t nplist, capplist;    /* the units flagged U_PROT */
     PKey *pkeys; size_t npkeys, cappkeys;        /* protected boundaries not looked up yet */
     PyObject *ns_ids, *ns_list, *node_ids, *node_list, *holder_ids, *holder_list;
+    /* Lease holders are per request: an id is freed once its last lease is (sweep). */
+    uint32_t *holder_refs; size_t capholder_refs;
+    uint32_t *holder_free; size_t nholder_free, capholder_free;
+    uint32_t *zero_holders; size_t nzero, capzero; /* ids whose count reached 0 */
     PyObject *shard_id_t, *answer_t, *unit_id_t, *hit, *miss_answer, *pending_answer;
     PyObject *tier_obj[2];
     PyObject *actions; /* node str -> [drop, demote, promote, persist] during a call */
@@ -177,7 +181,7 @@ INTERNAL void gain(Core *c, uint32_t u, Shard *s, int tier);
 INTERNAL void *grow(void *p, size_t *cap, size_t need, size_t size);
 INTERNAL uint64_t hash_bytes(const uint8_t *p, size_t n, uint32_t ns);
 INTERNAL int is_leased(Core *c, uint32_t ci, double now);
-INTERNAL void lease(Core *c, uint32_t ci, uint32_t holder, double until);
+INTERNAL void lease(Core *c, uint32_t ci, uint32_t holder, double now, double until);
 INTERNAL void lose(Core *c, uint32_t u, Shard *s, int tier);
 INTERNAL int make_cpu_room(Core *c, uint32_t node, uint64_t nbytes, const Prot *p, double now);
 INTERNAL int make_disk_room(Core *c, uint32_t node, uint64_t nbytes, const Prot *p, double now);

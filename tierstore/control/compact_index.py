@@ -278,6 +278,12 @@ class CompactChunkIndex:
         units: dict[UnitId, tuple[set[UnitId], set[UnitId]]] = self._core.units()
         return units
 
+    def holders(self) -> int:
+        """Lease holders the index keeps an id for: those with a lease (an expired one
+        counts until the index next looks at it, as ChunkIndex keeps it)."""
+        count: int = self._core.holders()
+        return count
+
     def memory_bytes(self) -> int:
         """Bytes the core's arrays hold (their capacity, not only what is used)."""
         nbytes: int = self._core.memory_bytes()
