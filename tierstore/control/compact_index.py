@@ -161,6 +161,8 @@ class CompactChunkIndex:
     ) -> tuple[list[bool], Actions]:
         """As :meth:`ChunkIndex.restore`."""
         if node not in self._registered:
+            if not held:
+                return [], {}
             raise KeyError(node)  # as the reference: restore follows register_node
         accepted, raw = self._core.restore(
             node, list(held), float(now), float(grace_s), _RESTORE_GRACE_HOLDER
