@@ -45,14 +45,18 @@ INDEXES: dict[str, type[ChunkIndex] | type[CompactChunkIndex]] = {
 }
 
 
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0")
+KEY_BYTES = 12  # the bench's keys: an 8-byte block number and the 4-byte group
+VLLM_KEY_BYTES = 36  # vLLM's: a 32-byte block hash and the group
 
 
-def _request(first: int) -> list[ShardOffer]:
+def _key(i: int, key_bytes: int = KEY_BYTES) -> ChunkKey:
+    return ChunkKey(i.to_bytes(key_bytes - 4, "big") + b"\0\0\0\0")
+
+
+def _request(first: int, key_bytes: int = KEY_BYTES) -> list[ShardOffer]:
     """A request's chain of chunks, each 1 byte (capacities count chunks)."""
     return [
-        ShardOffer(NS, _key(i), 0, 1, 1, _key(i - 1) if i > first else None)
+        ShardOffer(NS, _key(i, key_bytes), 0, 1, 1, _key(i - 1, key_bytes) if i > first else None)
         for i in range(first, first + CHAIN)
     ]
 
@@ -66,15 +70,20 @@ def _rate(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("inf")
 
 
-def _fill(index: ChunkIndex | CompactChunkIndex, first: int, n: int, now: float) -> float:
+def _fill(
+    index: ChunkIndex | CompactChunkIndex, first: int, n: int, now: float, key_bytes: int
+) -> float:
     started = time.perf_counter()
     for r, start in enumerate(range(first, first + n, CHAIN)):
-        index.admit(NODES[r % len(NODES)], _request(start), now)
+        index.admit(NODES[r % len(NODES)], _request(start, key_bytes), now)
     return time.perf_counter() - started
 
 
-def bench_index(n: int, kind: str = "chunk", seed: int = 0) -> dict[str, Any]:
-    """Every operation of the ``kind`` index at ``n`` indexed chunks (in a fresh process)."""
+def bench_index(
+    n: int, kind: str = "chunk", key_bytes: int = KEY_BYTES, seed: int = 0
+) -> dict[str, Any]:
+    """Every operation of the ``kind`` index at ``n`` indexed chunks of ``key_bytes``-byte
+    keys (in a fresh process)."""
     rng = random.Random(seed)
     gc.collect()
     rss_before = _rss_bytes()
@@ -84,8 +93,8 @@ def bench_index(n: int, kind: str = "chunk", seed: int = 0) -> dict[str, Any]:
         index.register_node(node, cpu_bytes=per_node // 2, disk_bytes=per_node)
     ops: dict[str, float] = {}
     half = n // 2
-    ops["admit"] = _rate(half, _fill(index, 0, half, now=0.0))  # room in both tiers
-    ops["admit_demote"] = _rate(n - half, _fill(index, half, n - half, now=0.0))  # CPU full
+    ops["admit"] = _rate(half, _fill(index, 0, half, 0.0, key_bytes))  # room in both tiers
+    ops["admit_demote"] = _rate(n - half, _fill(index, half, n - half, 0.0, key_bytes))  # CPU full
     memory_per_chunk = (_rss_bytes() - rss_before) / len(index)
     arrays_per_chunk = (
         index.memory_bytes() / len(index) if isinstance(index, CompactChunkIndex) else None
@@ -95,7 +104,7 @@ def bench_index(n: int, kind: str = "chunk", seed: int = 0) -> dict[str, Any]:
     # as an engine does between its HIT and its load.
     lookups = min(n // 4, 200_000) // CHAIN
     starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
-    requests = [[_key(i) for i in range(start, start + CHAIN)] for start in starts]
+    requests = [[_key(i, key_bytes) for i in range(start, start + CHAIN)] for start in starts]
     hits = 0
     looking = releasing = 0.0
     for keys in requests:
@@ -112,7 +121,7 @@ def bench_index(n: int, kind: str = "chunk", seed: int = 0) -> dict[str, Any]:
     # Under pressure: every chunk stored now demotes one and drops a disk-only tail.
     extra = min(n // 10, 100_000) // CHAIN * CHAIN
     evicted_before = index.stats.evicted_chunks
-    ops["admit_evict"] = _rate(extra, _fill(index, n, extra, now=2.0))
+    ops["admit_evict"] = _rate(extra, _fill(index, n, extra, 2.0, key_bytes))
     evicted = index.stats.evicted_chunks - evicted_before
 
     chunks_before = len(index)
@@ -123,6 +132,7 @@ def bench_index(n: int, kind: str = "chunk", seed: int = 0) -> dict[str, Any]:
     return {
         "index": kind,
         "chunks": n,
+        "key_bytes": key_bytes,
         "ops_per_s": ops,
         "memory_bytes_per_chunk": memory_per_chunk,
         "array_bytes_per_chunk": arrays_per_chunk,  # compact: its arrays' capacity
@@ -174,10 +184,18 @@ def _in_fresh_process(fn: Any, *args: Any) -> Any:
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    rows = results.get("index") or results["compact_index"]
+    rows = [
+        r
+        for r in results.get("index") or results["compact_index"]
+        if r.get("key_bytes", KEY_BYTES) == KEY_BYTES
+    ]
     sizes = [r["chunks"] for r in rows]
     series = {op: [r["ops_per_s"][op] for r in rows] for op in rows[0]["ops_per_s"]}
-    compact = [r for r in results.get("compact_index", []) if r["chunks"] in sizes]
+    compact = [
+        r
+        for r in results.get("compact_index", [])
+        if r["chunks"] in sizes and r["key_bytes"] == KEY_BYTES
+    ]
     if "index" in results and compact:
         for op in compact[0]["ops_per_s"]:
             series[f"compact {op}"] = [r["ops_per_s"][op] for r in compact]
@@ -231,6 +249,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n in sizes + (extra if kind == "compact" else []):
             logger.info("%s index at %d chunks", kind, n)
             rows.append(_in_fresh_process(bench_index, n, kind))
+        if kind == "compact":  # and with vLLM's key size at the largest
+            rows.append(_in_fresh_process(bench_index, extra[0], kind, VLLM_KEY_BYTES))
     if "chunk" in kinds and "compact" in kinds:
         results["compact_vs_chunk"] = _ratios(results["index"], results["compact_index"])
     actor_n = 10**3 if args.quick else 10**4
@@ -242,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ratios(chunk: list[dict[str, Any]], compact: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per size both measured at: the compact index's rate over ChunkIndex's, and memory."""
-    by_size = {row["chunks"]: row for row in compact}
+    by_size = {row["chunks"]: row for row in compact if row["key_bytes"] == KEY_BYTES}
     return [
         {
             "chunks": row["chunks"],
