@@ -79,6 +79,34 @@ def _fill(
     return time.perf_counter() - started
 
 
+def _lookups(
+    index: ChunkIndex | CompactChunkIndex,
+    n: int,
+    rng: random.Random,
+    key_bytes: int,
+    ops: dict[str, float],
+) -> float:
+    """Lookups of requests still in memory (the latest quarter), each leased and released
+    as an engine does between its HIT and its load: their rates into ``ops``; the hit
+    ratio returned."""
+    lookups = min(n // 4, 200_000) // CHAIN
+    starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
+    requests = [[_key(i, key_bytes) for i in range(start, start + CHAIN)] for start in starts]
+    hits = 0
+    looking = releasing = 0.0
+    for keys in requests:
+        started = time.perf_counter()
+        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S)
+        looked = time.perf_counter()
+        index.release(NS, keys, "engine")
+        looking += looked - started
+        releasing += time.perf_counter() - looked
+        hits += sum(a.state is LookupState.HIT for a in answers)
+    ops["lookup_lease"] = _rate(lookups * CHAIN, looking)  # a request's lookup call alone
+    ops["lookup_lease_release"] = _rate(lookups * CHAIN, looking + releasing)
+    return hits / max(1, lookups * CHAIN)
+
+
 def bench_index(
     n: int, kind: str = "chunk", key_bytes: int = KEY_BYTES, seed: int = 0
 ) -> dict[str, Any]:
@@ -100,23 +128,7 @@ def bench_index(
         index.memory_bytes() / len(index) if isinstance(index, CompactChunkIndex) else None
     )
 
-    # Lookups of requests still in memory (the latest quarter), each leased and released
-    # as an engine does between its HIT and its load.
-    lookups = min(n // 4, 200_000) // CHAIN
-    starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
-    requests = [[_key(i, key_bytes) for i in range(start, start + CHAIN)] for start in starts]
-    hits = 0
-    looking = releasing = 0.0
-    for keys in requests:
-        started = time.perf_counter()
-        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S)
-        looked = time.perf_counter()
-        index.release(NS, keys, "engine")
-        looking += looked - started
-        releasing += time.perf_counter() - looked
-        hits += sum(a.state is LookupState.HIT for a in answers)
-    ops["lookup_lease"] = _rate(lookups * CHAIN, looking)  # a request's lookup call alone
-    ops["lookup_lease_release"] = _rate(lookups * CHAIN, looking + releasing)
+    hit_ratio = _lookups(index, n, rng, key_bytes, ops)
 
     # Under pressure: every chunk stored now demotes one and drops a disk-only tail.
     extra = min(n // 10, 100_000) // CHAIN * CHAIN
@@ -136,7 +148,7 @@ def bench_index(
         "ops_per_s": ops,
         "memory_bytes_per_chunk": memory_per_chunk,
         "array_bytes_per_chunk": arrays_per_chunk,  # compact: its arrays' capacity
-        "lookup_hit_ratio": hits / max(1, lookups * CHAIN),
+        "lookup_hit_ratio": hit_ratio,
         "evicted_under_pressure": evicted,
         "forget_node_s": forget_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
