@@ -31,6 +31,7 @@ from tierstore.wire import (
     ShardEntry,
     ShardMeta,
     ShardOffer,
+    UnitOffer,
     answers_of,
     arena_info_of,
     config_of,
@@ -39,6 +40,7 @@ from tierstore.wire import (
     metas_of,
     nodes_of,
     pins_of,
+    unit_decision_of,
 )
 
 # Default deadline of an answer: the Evictor answers in milliseconds; 30 s means it is
@@ -72,6 +74,11 @@ class EvictorClient:
         self, node_id: str, offers: list[ShardOffer]
     ) -> Pending[tuple[list[bool], NodeActions]]:
         return self._call("admit", node_id, offers, convert=decision_of)
+
+    def admit_units(
+        self, node_id: str, units: list[UnitOffer]
+    ) -> Pending[tuple[list[list[bool]], NodeActions]]:
+        return self._call("admit_units", node_id, units, convert=unit_decision_of)
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False

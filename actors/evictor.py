@@ -28,10 +28,12 @@ from tierstore.wire import (
     LookupAnswer,
     NodeActions,
     ShardOffer,
+    UnitOffer,
     checked_shard_ids,
     held_of,
     held_shard,
     offers_of,
+    unit_offers_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,26 @@ class Evictor:
         self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
         own = self._send(result.actions, caller=NodeId(node_id))
         return _spread(checked, result.accepted), own
+
+    def admit_units(
+        self, node_id: str, units: list[UnitOffer]
+    ) -> tuple[list[list[bool]], NodeActions]:
+        """A NodeStore's batch, one offer per token boundary (every rank's and group's
+        shards it holds): one admission decision each. A malformed unit is refused whole
+        (counted), never indexed; the rest go on."""
+        checked = self._checked(unit_offers_of(units))
+        good = [u for u in checked if u is not None]
+        result = self._index.admit_units(NodeId(node_id), good, time.monotonic())
+        admitted = [
+            _shard_of(o)
+            for unit, flags in zip(good, result.accepted, strict=True)
+            for o, ok in zip(unit.shards, flags, strict=True)
+            if ok
+        ]
+        self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
+        own = self._send(result.actions, caller=NodeId(node_id))
+        answers = iter(result.accepted)  # a refused unit's answer: no flag (none kept)
+        return [next(answers) if u is not None else [] for u in checked], own
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False

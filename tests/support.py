@@ -1,17 +1,25 @@
 """What several test folders share: simulated clusters with Ray's fast failure detection,
-free ports, polling."""
+free ports, polling, processes holding an arena, full filesystems."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import pytest
+
+if TYPE_CHECKING:
+    from tierstore.data.arena.region import RegionInfo
 
 T = TypeVar("T")
 
@@ -150,3 +158,56 @@ def flip_bit(path: str | Path, offset: int, mask: int = 0x01) -> None:
         f.seek(offset)
         byte = f.read(1)[0]
     overwrite(path, offset, bytes([byte ^ mask]))
+
+
+def nodestore_process(
+    namespace: str, node: str, nbytes: int, shm_dir: Path | None = None
+) -> tuple[subprocess.Popen[str], RegionInfo]:
+    """A NodeStore-like process owning an arena (its first 8 bytes 7) until it is
+    killed: it runs no shutdown hook, so its file stays, its lock goes with it. Returns
+    the process and its arena's ``RegionInfo``; ``shm_dir``: the region's default."""
+    from tierstore.data.arena.region import SHM_DIR, RegionInfo
+
+    code = (
+        "import dataclasses, json, sys, time\n"
+        "from pathlib import Path\n"
+        "from tierstore.data.arena.region import ArenaRegion\n"
+        f"r = ArenaRegion.create({namespace!r}, {node!r}, {nbytes}, "
+        f"shm_dir=Path({str(shm_dir or SHM_DIR)!r}), held_wait_s=0)\n"
+        "r.view(0, 8)[:] = 7\n"
+        "print(json.dumps(dataclasses.asdict(r.info)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "the NodeStore-like process failed to create its arena"
+    return proc, RegionInfo(**json.loads(line))
+
+
+@contextlib.contextmanager
+def small_tmpfs(root: Path, size_mib: int) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` mounted at ``root`` for the ``with`` block (a real
+    filesystem that fills: ENOSPC from the kernel). Mounting needs root: without it the
+    calling test is skipped."""
+    from tierstore.deploy.bench.soak import disk_tier_fs
+
+    with disk_tier_fs(root, size_mib) as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root")
+        yield root
+
+
+def fill_filesystem(root: Path, left_free: int) -> Path:
+    """Fill ``root``'s filesystem to ENOSPC, then give ``left_free`` bytes back. Returns
+    the file that fills it (unlink it to free the filesystem)."""
+    filler = root / "filler"
+    written = 0
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                written += f.write(bytes(64 << 10))
+        except OSError:
+            pass
+    os.truncate(filler, max(0, written - left_free))
+    return filler

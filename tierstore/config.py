@@ -35,6 +35,10 @@ VLLM_OWNED_KEYS: frozenset[str] = frozenset(
 
 _MAX_PIN_CHARS = 256  # a model_identity names weights; anything longer is a mistake
 DEFAULT_NAMESPACE = "tierstore"
+# Pinned host memory each CUDA worker reserves at start for jobs that do not go through
+# the node's arena (the object-store path): a 16k-token job of an 8B Llama fits whole.
+DEFAULT_PINNED_BOUNCE_BYTES = 256 << 20
+MIN_PINNED_BOUNCE_BYTES = 1 << 20  # below a MiB every job would go in tiny pieces
 
 _SIZE_UNITS: dict[str, int] = {
     "": 1,
@@ -170,6 +174,10 @@ class TierStoreConfig:
     # then share chunks. A promise tierstore cannot check: another model under the same
     # pin reads the first one's KV as its own. None = derived from the engine.
     model_identity: str | None = None
+    # Pinned host memory (bytes, or "256MiB") each CUDA worker reserves at start, once,
+    # for jobs not copied through the node's arena; a job larger than what is free goes
+    # in pieces through part of it. Per rank: TP ranks each reserve it. Unused on CPU.
+    pinned_bounce_bytes: int = DEFAULT_PINNED_BOUNCE_BYTES
 
     def __post_init__(self) -> None:
         # One small validator per field or relation, in a fixed order (see ``_CHECKS``).
@@ -203,6 +211,10 @@ class TierStoreConfig:
         kwargs["cpu_bytes_per_node"] = parse_bytes(
             "cpu_bytes_per_node", kwargs["cpu_bytes_per_node"], minimum=1
         )
+        if "pinned_bounce_bytes" in kwargs:
+            kwargs["pinned_bounce_bytes"] = parse_bytes(
+                "pinned_bounce_bytes", kwargs["pinned_bounce_bytes"], MIN_PINNED_BOUNCE_BYTES
+            )
         if "disk_bytes_per_node" in kwargs:
             kwargs["disk_bytes_per_node"] = parse_bytes(
                 "disk_bytes_per_node", kwargs["disk_bytes_per_node"]
@@ -340,6 +352,16 @@ def _check_replication(cfg: TierStoreConfig) -> None:
         )
 
 
+def _check_bounce(cfg: TierStoreConfig) -> None:
+    value = cfg.pinned_bounce_bytes
+    if not _is_int(value) or value < MIN_PINNED_BOUNCE_BYTES:
+        raise ConfigError(
+            f"pinned_bounce_bytes: expected a byte count of at least {MIN_PINNED_BOUNCE_BYTES} "
+            f'(1MiB), got {value!r}; the default is "256MiB"'
+        )
+    parse_bytes("pinned_bounce_bytes", value, minimum=MIN_PINNED_BOUNCE_BYTES)
+
+
 def _check_timeouts(cfg: TierStoreConfig) -> None:
     for key in ("lease_ttl_s", "transfer_timeout_s", "lookup_timeout_ms"):
         value = getattr(cfg, key)
@@ -369,6 +391,7 @@ _CHECKS: tuple[Callable[[TierStoreConfig], None], ...] = (
     _check_replication,
     _check_timeouts,
     _check_model_identity,
+    _check_bounce,
 )
 
 
@@ -397,6 +420,7 @@ ENGINE_KEYS: tuple[str, ...] = (
     "hits_from_picture",
     "transfer_timeout_s",
     "model_identity",
+    "pinned_bounce_bytes",
 )
 
 

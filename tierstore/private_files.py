@@ -77,17 +77,24 @@ def user_dir(base: Path, name: str = "tierstore") -> Path:
     return private_dir(base / f"{name}-{os.geteuid()}")
 
 
-def open_private(path: Path, flags: int) -> int:
-    """``os.open`` of a file of this user's, never through a symlink; created 0600 when
-    ``flags`` has ``O_CREAT``. Raises :class:`UnsafePathError` for a planted file."""
+def open_nofollow(path: Path, flags: int) -> int:
+    """``os.open`` of ``path`` never through a symlink (``O_NOFOLLOW``, close-on-exec;
+    created 0600 when ``flags`` has ``O_CREAT``). Raises :class:`UnsafePathError` naming
+    ``path`` if it is a symlink; other errors (missing, no permission) as ``os.open``."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE_MODE)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafePathError(
-                f"{path} is a symlink; tierstore will not write through it: remove it"
+                f"{path} is a symlink; tierstore never reads or writes through one: remove it"
             ) from exc
         raise
+
+
+def open_private(path: Path, flags: int) -> int:
+    """:func:`open_nofollow` of a file that must be this user's and private (checked on
+    the open descriptor). Raises :class:`UnsafePathError` for a planted file."""
+    fd = open_nofollow(path, flags)
     try:
         check_private(path, os.fstat(fd), stat.S_IFREG)
     except BaseException:

@@ -5,10 +5,11 @@ Who sends what (each arrow a Ray call, or for the arena a word in shared memory)
 - a worker -> its NodeStore: :class:`ShardEntry` records of a store job (checked whole,
   :func:`check_job`, before anything changes); the NodeStore answers with
   :class:`ShardMeta` (loads, pins) and :class:`RegionInfo` (the arena to map);
-- a NodeStore -> the Evictor: :class:`ShardOffer` (admit, restore) and ShardIds
-  (reports), each item checked as it is decoded: a malformed one is refused, the rest
-  go on; the Evictor answers with :class:`NodeActions` (and one-way sends a NodeStore
-  its share of a decision);
+- a NodeStore -> the Evictor: :class:`UnitOffer` (admit: the shards of one token
+  boundary, every rank's and group's its batch holds), :class:`ShardOffer` (restore)
+  and ShardIds (reports), each item checked as it is decoded: a malformed one is
+  refused, the rest go on; the Evictor answers with :class:`NodeActions` (and one-way
+  sends a NodeStore its share of a decision);
 - a NodeStore -> another NodeStore: replica shards, ``(ShardId, ShardMeta)`` each;
 - the scheduler -> the Evictor: lookups, answered with :class:`LookupAnswer`, and
   residency events (:class:`EventBatch`).
@@ -47,7 +48,7 @@ from tierstore.fields import (
     rank_in,
     row,
 )
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,71 @@ def check_offer(value: object, field: str = "offer") -> ShardOffer:
     )
 
 
+class UnitOffer(NamedTuple):
+    """The shards of one token boundary a NodeStore's batch offers together: every
+    rank's and every KV cache group's that arrived in it, admitted as one (one room
+    decision for the whole unit). A unit's later ranks may come in a later offer."""
+
+    shards: list[ShardOffer]  # one namespace and boundary; each (key, rank) once
+
+
+def check_unit_offer(value: object, field: str = "unit") -> UnitOffer:
+    """A unit offer from a NodeStore, each shard checked (:func:`check_offer`), all of
+    one namespace and token boundary, no (key, rank) twice, one world size per key.
+    Raises MalformedField naming the field: a unit is refused whole."""
+    (shard_values,) = row(field, value, 1, 1)
+    shards = [
+        check_offer(v, f"{field}.shards[{i}]")
+        for i, v in enumerate(items(f"{field}.shards", shard_values, MAX_ENTRIES))
+    ]
+    if not shards:
+        raise MalformedField(f"{field}.shards", shards, "no shard")
+    first = shards[0]
+    worlds: dict[bytes, int] = {}
+    seen: set[tuple[bytes, int]] = set()
+    for i, offer in enumerate(shards):
+        where = f"{field}.shards[{i}]"
+        if offer.namespace != first.namespace:
+            raise MalformedField(f"{where}.namespace", offer.namespace, "not the unit's")
+        if boundary_of(offer.key) != boundary_of(first.key):
+            raise MalformedField(f"{where}.key", offer.key, "not at the unit's boundary")
+        if worlds.setdefault(offer.key, offer.world_size) != offer.world_size:
+            raise MalformedField(f"{where}.world_size", offer.world_size, "not its key's")
+        if (offer.key, offer.rank) in seen:
+            raise MalformedField(f"{where}.rank", offer.rank, "twice for one key")
+        seen.add((offer.key, offer.rank))
+    return UnitOffer(shards)
+
+
+def units_of(offers: Iterable[ShardOffer]) -> list[UnitOffer]:
+    """``offers`` grouped into unit offers, one per (namespace, boundary), in order of
+    first appearance; each shard's place is kept (see :func:`per_shard`)."""
+    units: dict[tuple[str, bytes], list[ShardOffer]] = {}
+    for offer in offers:
+        units.setdefault((offer.namespace, boundary_of(offer.key)), []).append(offer)
+    return [UnitOffer(shards) for shards in units.values()]
+
+
+def per_shard(
+    offers: Sequence[ShardOffer], units: Sequence[UnitOffer], answers: Sequence[Sequence[bool]]
+) -> list[bool]:
+    """The answers of ``units`` (made by :func:`units_of` from ``offers``), one flag per
+    offer in the order of ``offers``; a shard with no flag (its unit refused whole as
+    malformed) is refused."""
+    flag = {
+        (o.namespace, o.key, o.rank): ok
+        for unit, unit_answers in zip(units, answers, strict=True)
+        for o, ok in zip(unit.shards, unit_answers, strict=False)
+    }
+    return [flag.get((o.namespace, o.key, o.rank), False) for o in offers]
+
+
+def unit_offers_of(values: object) -> list[UnitOffer | None]:
+    """``admit_units``' offers, checked (:func:`check_unit_offer`); None for each unit
+    refused."""
+    return checked_items(values, check_unit_offer, "unit offer")
+
+
 def check_held(value: object, field: str = "held") -> tuple[ShardOffer, TierName]:
     """A copy a NodeStore offers at restore: ``(offer, tier)``, checked."""
     offer, tier = row(field, value, 2, 2)
@@ -326,6 +392,12 @@ def decision_of(value: Any) -> tuple[list[bool], NodeActions]:
     """``admit``/``restore``'s answer: one flag per offer, and the caller's own actions."""
     accepted, actions = value
     return [bool(a) for a in accepted], node_actions_of(actions)
+
+
+def unit_decision_of(value: Any) -> tuple[list[list[bool]], NodeActions]:
+    """``admit_units``' answer: per unit, one flag per shard; the caller's own actions."""
+    accepted, actions = value
+    return [[bool(a) for a in unit] for unit in accepted], node_actions_of(actions)
 
 
 # ---- lookups ------------------------------------------------------------------------------

@@ -137,8 +137,91 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "requests": [r for part in parts for r in part["requests"]],
             "wall_s": sum(part["wall_s"] for part in parts),
             "tierstore": counters,
+            "metrics": _added([part.get("metrics", {}) for part in parts]),
         }
     return out
+
+
+def _added(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Metric totals of several runs added up (a histogram's sum and count each)."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for name, value in part.items():
+            if isinstance(value, dict):
+                total = out.setdefault(name, {"sum": 0.0, "count": 0})
+                total["sum"] += value["sum"]
+                total["count"] += value["count"]
+            else:
+                out[name] = out.get(name, 0) + value
+    return out
+
+
+def _metric_sum(metrics: dict[str, Any], name: str) -> float:
+    value = metrics.get(name, metrics.get(name + "_total", 0.0))
+    return float(value["sum"] if isinstance(value, dict) else value)
+
+
+def _metric_count(metrics: dict[str, Any], name: str) -> int:
+    value = metrics.get(name, {})
+    return int(value["count"]) if isinstance(value, dict) else 0
+
+
+def breakdown(requests: list[dict[str, Any]], metrics: dict[str, Any]) -> dict[str, float]:
+    """Where the hit requests' time went, in ms per request (means; ``*_p50`` medians).
+
+    From the engine's timestamps: ``queued_to_scheduled`` (lookups and the load: the
+    request is scheduled for compute once its load is done) and
+    ``scheduled_to_first_token`` (the forward of what is not loaded). From vLLM's
+    offloading connector: ``lookup_calls`` (time inside ``lookup``: the scheduler's own
+    cost), ``lookup_deferred`` (first RETRY to the lookup that resolved: the lease's round
+    trip when a key is asked, not answered from the cluster view), ``load_copy`` (a load
+    job's submit to its bytes in place, as the worker reports it: submit, directory find,
+    copy). From tierstore's scheduler metrics: ``load_job`` (``prepare_load`` to
+    ``complete_load``), hence ``load_completion`` = ``load_job`` - ``load_copy`` (the
+    job's report reaching the scheduler: the next step's ``get_finished``), and
+    ``scheduler_wait`` = ``queued_to_scheduled`` - ``lookup_deferred`` - ``load_job``
+    (steps spent on neither). A figure with no source (the reference has no tierstore
+    metrics) is left out."""
+    n = len(requests)
+    if not n:
+        return {}
+    waits = [1e3 * r.get("wait_s", 0.0) for r in requests]
+    runs = [1e3 * (r["ttft_s"] - r.get("wait_s", 0.0)) for r in requests]
+    out = {
+        "requests": float(n),
+        "ttft": 1e3 * sum(r["ttft_s"] for r in requests) / n,
+        "ttft_p50": 1e3 * percentile([r["ttft_s"] for r in requests], 50),
+        "queued_to_scheduled": sum(waits) / n,
+        "queued_to_scheduled_p50": percentile(waits, 50),
+        "scheduled_to_first_token": sum(runs) / n,
+        "scheduled_to_first_token_p50": percentile(runs, 50),
+    }
+    if not metrics:
+        return out
+    out["lookup_calls"] = (
+        1e3 * _metric_sum(metrics, "vllm:kv_offload_lookup_sync_delay_seconds") / n
+    )
+    out["lookup_deferred"] = (
+        1e3 * _metric_sum(metrics, "vllm:kv_offload_lookup_async_delay_seconds") / n
+    )
+    jobs = _metric_count(metrics, "vllm:kv_offload_load_size")
+    out["load_jobs"] = float(jobs)
+    out["load_copy"] = 1e3 * _metric_sum(metrics, "vllm:kv_offload_load_time") / n
+    if "tierstore:load_latency_seconds" in metrics:
+        out["load_job"] = 1e3 * _metric_sum(metrics, "tierstore:load_latency_seconds") / n
+        out["load_completion"] = out["load_job"] - out["load_copy"]
+        out["lease_wait"] = 1e3 * _metric_sum(metrics, "tierstore:lookup_wait_seconds") / n
+        out["scheduler_wait"] = (
+            out["queued_to_scheduled"] - out["lookup_deferred"] - out["load_job"]
+        )
+        for name in ("picture_hits", "picture_hits_unleased", "failed_loads", "lookup_timeouts"):
+            out[name] = _metric_sum(metrics, "tierstore:" + name)
+    return out
+
+
+def breakdown_vs(mine: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
+    """Per figure both have: how many ms more per request than the reference's."""
+    return {k: mine[k] - reference[k] for k in mine if k in reference and k != "requests"}
 
 
 def _run_engine(
@@ -223,6 +306,10 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
         "hit_rate": {k: v / prompt for k, v in tokens.items() if k != "computed"},
         "tierstore_counters": ts,
     }
+    if raw.get("kind") == "hit_pass":  # every request a hit
+        summary["hit_ttft_ms"] = _ttft_ms(requests)
+        summary["breakdown_ms"] = breakdown(requests, raw.get("metrics", {}))
+        summary["store_pass"] = raw.get("store_pass", {})
     if raw.get("kind") == "prefix_hit":  # misses at even positions, their hits at odd
         hits = requests[1::2]
         summary["miss_ttft_ms"] = _ttft_ms(requests[0::2])

@@ -6,6 +6,13 @@ workload the device prefix cache is emptied, so workloads do not feed each other
 tierstore on, the cluster's counters (``tierstore status``) are read before and after
 each workload; their difference says how many chunks came from the CPU and disk tiers.
 Each engine gets its own process: vLLM engines do not shut down cleanly enough to share one.
+
+The ``hit_pass`` workload (``count`` unique prompts of ``length`` tokens) stores every
+prompt first (the store pass, drained), empties the device prefix cache, then times the
+same prompts again: every request of the hit pass loads all its full chunks. Every
+workload also records what vLLM's and tierstore's metrics (``LLM.get_metrics``) added up
+over it (``metrics``: per name, a counter's value or a histogram's ``sum`` and ``count``),
+the sources of the hit breakdown (``e2e.breakdown``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierstore.deploy.bench.workloads import PrefixHit, build
+from tierstore.deploy.bench.workloads import PrefixHit, Unique, build
 from tierstore.deploy.passes import (
     EngineSpec,
     build_llm,
@@ -37,14 +44,56 @@ def _tierstore_totals(namespace: str | None) -> dict[str, int]:
     return collect_status(namespace)["totals"]
 
 
+# The metrics the hit breakdown reads (``e2e.breakdown``): vLLM's offloading connector
+# (lookup delay, load time per job) and the scheduler's own (tierstore:*).
+_METRIC_PREFIXES = ("vllm:kv_offload", "tierstore:")
+
+
+def metric_totals(llm: Any) -> dict[str, Any]:
+    """Counters' values and histograms' sums and counts, added over their label sets."""
+    out: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith(_METRIC_PREFIXES):
+            continue
+        if hasattr(metric, "buckets"):
+            total = out.setdefault(metric.name, {"sum": 0.0, "count": 0})
+            total["sum"] += metric.sum
+            total["count"] += metric.count
+        elif hasattr(metric, "value") and not metric.name.startswith("tierstore:cluster_"):
+            out[metric.name] = out.get(metric.name, 0) + metric.value
+    return out
+
+
+def metric_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in after.items():
+        old = before.get(name)
+        if isinstance(value, dict):
+            old = old or {"sum": 0.0, "count": 0}
+            out[name] = {"sum": value["sum"] - old["sum"], "count": value["count"] - old["count"]}
+        else:
+            out[name] = value - (old or 0)
+    return out
+
+
 def run_workload(
     llm: Any, kind: str, params: dict[str, int], max_tokens: int, namespace: str | None
 ) -> dict[str, Any]:
     drain(llm)
     llm.reset_prefix_cache()
-    before = _tierstore_totals(namespace)
     sampling = sampling_params(max_tokens)
     requests: list[dict[str, Any]] = []
+    store_pass: dict[str, Any] = {}
+    if kind == "hit_pass":  # store every prompt first; only the hit pass is measured
+        stored = Unique(**params)
+        started = time.perf_counter()
+        for prompt in stored.prompts():
+            run_request(llm, prompt, sampling)
+        drain(llm)
+        llm.reset_prefix_cache()
+        store_pass["wall_s"] = time.perf_counter() - started
+    before = _tierstore_totals(namespace)
+    metrics_before = metric_totals(llm)
 
     def generate(prompt: list[int]) -> list[int]:
         result = run_request(llm, prompt, sampling)
@@ -64,7 +113,7 @@ def run_workload(
         drain(llm)
         llm.reset_prefix_cache()
 
-    workload = build(kind, params)
+    workload = build("unique" if kind == "hit_pass" else kind, params)
     started = time.perf_counter()
     if isinstance(workload, PrefixHit):
         workload.run(generate, forget)
@@ -79,6 +128,8 @@ def run_workload(
         "wall_s": wall_s,
         "requests": requests,
         "tierstore": {k: after[k] - before.get(k, 0) for k in after},
+        "metrics": metric_delta(metric_totals(llm), metrics_before),
+        **({"store_pass": store_pass} if store_pass else {}),
     }
 
 

@@ -7,7 +7,9 @@ flat arrays in C), also at 10^7 chunks, where ChunkIndex would need about 12 GB.
 shape is a realistic cache: 4 nodes, requests of 16 chained chunks, a CPU tier holding
 half the chunks and a disk tier holding all of them (write-through, default watermarks).
 Then one row goes through the real Evictor actor on a local Ray cluster, in batched
-calls, so the cost of a Ray call per operation shows beside the index's own.
+calls, so the cost of a Ray call per operation shows beside the index's own. And
+admission of a TP group's chunks (ranks x KV cache groups shards per boundary), shard by
+shard against one decision per boundary (``units``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tierstore.control import compact_index
 from tierstore.control.compact_index import CompactChunkIndex
 from tierstore.control.index import ChunkIndex, LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.wire import units_of
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +158,53 @@ def bench_index(
     }
 
 
+def _tp_request(first: int, ranks: int, groups: int) -> list[ShardOffer]:
+    """A request's chain as a TP group's NodeStore offers it: every boundary's chunk of
+    each KV cache group, every rank's shard (1 byte each: capacities count shards)."""
+    return [
+        ShardOffer(NS, _group_key(i, g), r, ranks, 1, _group_key(i - 1, g) if i > first else None)
+        for i in range(first, first + CHAIN)
+        for g in range(groups)
+        for r in range(ranks)
+    ]
+
+
+def _group_key(i: int, group: int) -> ChunkKey:
+    return ChunkKey(i.to_bytes(8, "big") + group.to_bytes(4, "big"))
+
+
+def bench_units(boundaries: int, ranks: int, groups: int) -> dict[str, Any]:
+    """Admission of ``boundaries`` token boundaries of ``ranks`` x ``groups`` shards each,
+    in requests of :data:`CHAIN`, two ways on fresh indexes: ``admit`` decides shard by
+    shard (what NodeStores sent before issue 28), ``admit_units`` one decision per
+    boundary. Half fits the CPU tier; the rest demotes (write-through to disk)."""
+    shards = boundaries * ranks * groups
+    row: dict[str, Any] = {"boundaries": boundaries, "ranks": ranks, "groups": groups}
+    for mode in ("admit", "admit_units"):
+        index = ChunkIndex("lru")
+        per_node = shards // len(NODES)
+        for node in NODES:
+            index.register_node(node, cpu_bytes=per_node // 2, disk_bytes=per_node)
+        requests = [_tp_request(start, ranks, groups) for start in range(0, boundaries, CHAIN)]
+        gc.collect()
+        started = time.perf_counter()
+        for r, offers in enumerate(requests):
+            node = NODES[r % len(NODES)]
+            if mode == "admit":
+                index.admit(node, offers, 0.0)
+            else:
+                index.admit_units(node, units_of(offers), 0.0)
+        seconds = time.perf_counter() - started
+        row[mode] = {
+            "shards_per_s": _rate(shards, seconds),
+            "boundaries_per_s": _rate(boundaries, seconds),
+            "decisions": index.stats.admitted_units,
+            "stored_chunks": index.stats.stored_chunks,
+        }
+    row["speedup"] = row["admit_units"]["shards_per_s"] / row["admit"]["shards_per_s"]
+    return row
+
+
 def bench_actor(n: int, batch: int) -> dict[str, Any]:
     """The real Evictor actor on a local Ray cluster: admit and lookup in calls of ``batch``."""
     import ray
@@ -265,6 +315,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(_in_fresh_process(bench_index, extra[0], kind, VLLM_KEY_BYTES))
     if "chunk" in kinds and "compact" in kinds:
         results["compact_vs_chunk"] = _ratios(results["index"], results["compact_index"])
+    boundaries = 2 * 10**3 if args.quick else 5 * 10**4
+    results["units"] = [
+        _in_fresh_process(bench_units, boundaries, ranks, groups)
+        for ranks, groups in ((1, 1), (8, 3))
+    ]
     actor_n = 10**3 if args.quick else 10**4
     results["actor"] = [
         _in_fresh_process(bench_actor, actor_n, batch) for batch in (1000, 16 if args.quick else 1)

@@ -21,7 +21,6 @@ from tierstore.control.index import (
     ChunkIndex,
     LookupState,
     NodeActions,
-    ShardOffer,
     UnitId,
     Watermarks,
 )
@@ -30,7 +29,7 @@ from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 from tierstore.store.node_store import NodeStoreCore
-from tierstore.wire import ShardEntry
+from tierstore.wire import ShardEntry, UnitOffer
 
 NS = Namespace("c0ffee")
 NODES = [NodeId("n0"), NodeId("n1"), NodeId("n2")]  # stores go to n0 and n1
@@ -56,10 +55,10 @@ class LocalEvictor:
             if node != skip and node in self.cores:
                 self.cores[node].apply(node_actions)
 
-    def admit(
-        self, node: NodeId, offers: list[ShardOffer]
-    ) -> Answered[tuple[list[bool], NodeActions]]:
-        accepted, actions = self.index.admit(node, offers, self.now)
+    def admit_units(
+        self, node: NodeId, units: list[UnitOffer]
+    ) -> Answered[tuple[list[list[bool]], NodeActions]]:
+        accepted, actions = self.index.admit_units(node, units, self.now)
         self.deliver(actions, skip=node)
         return Answered((accepted, actions.get(node, NodeActions())))
 

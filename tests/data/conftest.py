@@ -18,3 +18,18 @@ def arena_tier() -> Iterator[ArenaTier]:
     tier = ArenaTier(region, capacity_bytes=128 << 10)
     yield tier
     region.close()
+
+
+@pytest.fixture
+def node() -> str:
+    """A fresh node id: arena file names of one test never meet another's."""
+    return uuid.uuid4().hex
+
+
+@pytest.fixture
+def regions() -> Iterator[list[ArenaRegion]]:
+    """Arenas a test made (it appends them), closed after it: their files go."""
+    made: list[ArenaRegion] = []
+    yield made
+    for region in made:
+        region.close()

@@ -5,43 +5,25 @@ file-backed fallback when /dev/shm is short of room."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import stat
-import subprocess
-import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support import nodestore_process
 from tierstore.data.arena.region import (
     SHM_DIR,
     ArenaError,
     ArenaMapping,
     ArenaRegion,
-    RegionInfo,
     arena_dir,
     arena_file_name,
 )
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def node() -> str:
-    return uuid.uuid4().hex
-
-
-@pytest.fixture
-def regions() -> Iterator[list[ArenaRegion]]:
-    made: list[ArenaRegion] = []
-    yield made
-    for region in made:
-        region.close()
 
 
 def test_arena_in_shm_is_private_shared_and_unlinked_on_close(
@@ -62,28 +44,6 @@ def test_arena_in_shm_is_private_shared_and_unlinked_on_close(
     region.close()
     assert not path.exists()
     region.close()  # idempotent
-
-
-def nodestore_process(
-    namespace: str, node: str, nbytes: int, shm_dir: Path = SHM_DIR
-) -> tuple[subprocess.Popen[str], RegionInfo]:
-    """A NodeStore-like process owning an arena (its first 8 bytes 7) until it is
-    killed: it runs no shutdown hook, so its file stays, its lock goes with it."""
-    code = (
-        "import dataclasses, json, sys, time\n"
-        "from pathlib import Path\n"
-        "from tierstore.data.arena.region import ArenaRegion\n"
-        f"r = ArenaRegion.create({namespace!r}, {node!r}, {nbytes}, "
-        f"shm_dir=Path({str(shm_dir)!r}), held_wait_s=0)\n"
-        "r.view(0, 8)[:] = 7\n"
-        "print(json.dumps(dataclasses.asdict(r.info)), flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line, "the NodeStore-like process failed to create its arena"
-    return proc, RegionInfo(**json.loads(line))
 
 
 def test_restart_replaces_a_stale_arena_with_an_empty_one(

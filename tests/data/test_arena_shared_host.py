@@ -10,13 +10,12 @@ import re
 import signal
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.data.test_arena_region import nodestore_process
+from tests.support import nodestore_process
 from tierstore.data.arena.holders import HolderLock, holder_lock_path
 from tierstore.data.arena.region import (
     SHM_DIR,
@@ -31,19 +30,6 @@ from tierstore.private_files import UnsafePathError
 MiB = 1 << 20
 OTHER_UID = 65534  # nobody
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
-
-
-@pytest.fixture
-def node() -> str:
-    return uuid.uuid4().hex
-
-
-@pytest.fixture
-def regions() -> Iterator[list[ArenaRegion]]:
-    made: list[ArenaRegion] = []
-    yield made
-    for region in made:
-        region.close()
 
 
 def bounded(call: Callable[[], object], timeout_s: float = 20.0) -> BaseException | None:

@@ -8,23 +8,21 @@ Mounting a tmpfs needs root; without it these tests skip (the backoff tests run 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tierstore.deploy.bench.soak import disk_tier_fs
 
-from tests.support import Answered
-from tierstore.control.index import NodeActions, ShardOffer
+from tests.support import Answered, fill_filesystem, small_tmpfs
+from tierstore.control.index import NodeActions
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.disk_health import DISK_RETRY_FIRST_S, DISK_RETRY_MAX_S, DiskHealth
 from tierstore.store.node_store import NodeStoreCore
-from tierstore.wire import ShardEntry
+from tierstore.wire import ShardEntry, UnitOffer
 
 NS = Namespace("d15c")
 NODE = NodeId("n1")
@@ -49,11 +47,11 @@ class WriteThroughEvictor:
         self.forgotten: list[ShardId] = []
         self.reports: list[tuple[list[ShardId], int, bool]] = []
 
-    def admit(
-        self, node_id: NodeId, offers: list[ShardOffer]
-    ) -> Answered[tuple[list[bool], NodeActions]]:
-        persist = [ShardId(o.namespace, o.key, o.rank) for o in offers]
-        return Answered(([True] * len(offers), NodeActions(persist=persist)))
+    def admit_units(
+        self, node_id: NodeId, units: list[UnitOffer]
+    ) -> Answered[tuple[list[list[bool]], NodeActions]]:
+        persist = [ShardId(o.namespace, o.key, o.rank) for u in units for o in u.shards]
+        return Answered(([[True] * len(u.shards) for u in units], NodeActions(persist=persist)))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
         return Answered(([True] * len(held), NodeActions()))
@@ -97,27 +95,10 @@ def _store(core: NodeStoreCore, i: int) -> None:
     assert core.store(NS, 0, 1, [ShardEntry(_key(i), 0, SHARD, digest(data), 1)], data) == 1
 
 
-def _fill(root: Path, left_free: int) -> Path:
-    """Fill ``root``'s filesystem to ENOSPC, then give ``left_free`` bytes back."""
-    filler = root / "filler"
-    written = 0
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                written += f.write(bytes(64 << 10))
-        except OSError:
-            pass
-    os.truncate(filler, max(0, written - left_free))
-    return filler
-
-
 @pytest.fixture
 def full_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs (needs root; skipped without)."""
-    root = tmp_path / "fs"
-    with disk_tier_fs(root, FS_MIB) as mounted:
-        if not mounted:
-            pytest.skip("mounting a tmpfs needs root")
+    with small_tmpfs(tmp_path / "fs", FS_MIB) as root:
         yield root
 
 
@@ -130,7 +111,7 @@ def test_a_full_disk_costs_only_the_disk_copies_and_writes_resume_once_it_frees_
     clock = Clock()
     evictor = WriteThroughEvictor()
     core = NodeStoreCore(NODE, MemoryTier(1 << 20), disk, evictor, clock=clock)
-    filler = _fill(full_fs, LEFT_FREE)
+    filler = fill_filesystem(full_fs, LEFT_FREE)
 
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         for i in range(20):
@@ -198,7 +179,7 @@ def test_a_failed_retry_keeps_the_tier_degraded_and_waits_longer(full_fs: Path) 
     clock = Clock()
     evictor = WriteThroughEvictor()
     core = NodeStoreCore(NODE, MemoryTier(1 << 20), disk, evictor, clock=clock)
-    _fill(full_fs, 0)
+    fill_filesystem(full_fs, 0)
     _store(core, 0)
     _store(core, 1)
     assert core.status()["stats"]["disk_write_failures"] == 1

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support import Answered
-from tierstore.control.index import ChunkIndex, NodeActions, ShardOffer
+from tierstore.control.index import ChunkIndex, NodeActions
 from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.checksum import digest
@@ -33,7 +33,7 @@ from tierstore.data.tiers.arena import ArenaTier
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
 from tierstore.store.node_store import NodeStoreCore
-from tierstore.wire import RefusedCommit, ShardEntry
+from tierstore.wire import RefusedCommit, ShardEntry, UnitOffer
 
 NS = Namespace("c0c0a1a1")
 NODE = NodeId("node-under-test")
@@ -48,10 +48,10 @@ class IndexPort:
     def __init__(self, index: ChunkIndex) -> None:
         self.index = index
 
-    def admit(
-        self, node_id: NodeId, offers: list[ShardOffer]
-    ) -> Answered[tuple[list[bool], NodeActions]]:
-        accepted, actions = self.index.admit(node_id, offers, 0.0)
+    def admit_units(
+        self, node_id: NodeId, units: list[UnitOffer]
+    ) -> Answered[tuple[list[list[bool]], NodeActions]]:
+        accepted, actions = self.index.admit_units(node_id, units, 0.0)
         return Answered((accepted, actions.get(node_id, NodeActions())))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]

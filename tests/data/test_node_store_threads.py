@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.support import Answered
-from tierstore.control.index import NodeActions, ShardOffer
+from tierstore.control.index import NodeActions
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import StoredShard
 from tierstore.data.tiers.disk import DiskTier
@@ -22,7 +22,7 @@ from tierstore.errors import ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.batch_queue import BatchQueue
 from tierstore.store.node_store import NodeStoreCore
-from tierstore.wire import ShardEntry
+from tierstore.wire import ShardEntry, UnitOffer
 
 NS = Namespace("abcd")
 NODE = NodeId("n1")
@@ -37,10 +37,10 @@ class AdmitAll:
     def __init__(self) -> None:
         self.forgotten: list[ShardId] = []
 
-    def admit(
-        self, node_id: NodeId, offers: list[ShardOffer]
-    ) -> Answered[tuple[list[bool], NodeActions]]:
-        return Answered(([True] * len(offers), NodeActions()))
+    def admit_units(
+        self, node_id: NodeId, units: list[UnitOffer]
+    ) -> Answered[tuple[list[list[bool]], NodeActions]]:
+        return Answered(([[True] * len(u.shards) for u in units], NodeActions()))
 
     def restore(self, node_id, held, grace=False):  # type: ignore[no-untyped-def]
         return Answered(([True] * len(held), NodeActions()))
@@ -68,11 +68,11 @@ class AdmitAll:
 class AdmitAllWriteThrough(AdmitAll):
     """Admits every offer and asks for its write-through, as for a node with a disk."""
 
-    def admit(
-        self, node_id: NodeId, offers: list[ShardOffer]
-    ) -> Answered[tuple[list[bool], NodeActions]]:
-        persist = [ShardId(o.namespace, o.key, o.rank) for o in offers]
-        return Answered(([True] * len(offers), NodeActions(persist=persist)))
+    def admit_units(
+        self, node_id: NodeId, units: list[UnitOffer]
+    ) -> Answered[tuple[list[list[bool]], NodeActions]]:
+        persist = [ShardId(o.namespace, o.key, o.rank) for u in units for o in u.shards]
+        return Answered(([[True] * len(u.shards) for u in units], NodeActions(persist=persist)))
 
 
 def _key(i: int) -> ChunkKey:

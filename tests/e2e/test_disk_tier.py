@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tierstore.deploy.bench.soak import disk_tier_fs
 from tierstore.deploy.cli import collect_status, format_status
 from tierstore.deploy.passes import random_prompt
 
@@ -23,7 +22,7 @@ from tests.e2e.conftest import (
     only,
     tierstore_extra,
 )
-from tests.support import flip_bit, overwrite, wait_for
+from tests.support import fill_filesystem, flip_bit, overwrite, small_tmpfs, wait_for
 from tierstore.data.tiers.disk import chunk_records
 from tierstore.store.disk_health import DISK_RETRY_MAX_S
 
@@ -211,27 +210,10 @@ FULL_FS_MIB = 8
 FULL_FS_LEFT = 160 << 10
 
 
-def _fill(root: Path, left_free: int) -> Path:
-    """Fill ``root``'s filesystem to ENOSPC, then give ``left_free`` bytes back."""
-    filler = root / "filler"
-    written = 0
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                written += f.write(bytes(1 << 20))
-        except OSError:
-            pass
-    os.truncate(filler, max(0, written - left_free))
-    return filler
-
-
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
-    """A small tmpfs, nearly full (needs root to mount; skipped without)."""
-    root = tmp_path / "disk"
-    with disk_tier_fs(root, FULL_FS_MIB) as mounted:
-        if not mounted:
-            pytest.skip("mounting a tmpfs needs root")
+    """A small tmpfs (needs root to mount; skipped without)."""
+    with small_tmpfs(tmp_path / "disk", FULL_FS_MIB) as root:
         yield root
 
 
@@ -265,7 +247,7 @@ def test_a_full_disk_costs_only_the_disk_copies_and_nothing_is_lost_once_it_free
     not exist; once the disk frees up and the retry is due, a second engine's stores are
     written through again, and everything the first one stored still reloads."""
     namespace = "tierstore-e2e-disk-full"
-    filler = _fill(full_disk, FULL_FS_LEFT)
+    filler = fill_filesystem(full_disk, FULL_FS_LEFT)
     extra = tierstore_extra(
         namespace=namespace, disk_path=str(full_disk / "tier"), disk_bytes_per_node="4MiB"
     )

@@ -1,36 +1,44 @@
-"""GPU tests: collected everywhere, skipped where CUDA (or vLLM's CUDA ops) is absent.
+"""GPU tests: collected everywhere, skipped where CUDA is absent.
 
-This project's CI machine has no GPU, so they are reported as skipped there; run them
-on a CUDA host with vLLM's CUDA build: ``pytest -q tests/gpu``.
+They need only torch (a CUDA build), numpy, xxhash, msgpack, hypothesis and tierstore's
+Ray-free modules: no vLLM, no Ray (a bare CUDA machine runs them; see ``check.sh``).
+Where vLLM's CUDA build or cuda-bindings is there too, its executor is tested as well
+(``executor`` fixture). This project's CI machine has no GPU, so they are reported as
+skipped there. Run them on a CUDA host with ``tests/gpu/check.sh``, or
+``pytest -q --confcutdir=tests/gpu tests/gpu`` (the confcutdir keeps out tests/conftest.py,
+which sets up Ray).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from tierstore.vllm.batch_copy import EXECUTOR_NAMES, BatchCopy, make_executor, probe
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and vLLM's CUDA build")
-
-
-def _why_not() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (this project's CI has none)"
-    try:
-        from vllm import _custom_ops  # noqa: F401
-
-        torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018
-    except (ImportError, AttributeError, RuntimeError) as exc:
-        return f"needs vLLM's CUDA build (swap_blocks_batch): {exc}"
-    return None
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = None
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (this project's CI has none)")
     for item in items:
-        if item.get_closest_marker("gpu") is None:
-            continue
-        reason = reason or _why_not() or ""
-        if reason:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=EXECUTOR_NAMES)
+def executor(request: pytest.FixtureRequest) -> Iterator[BatchCopy]:
+    """Each copy executor this machine has (vLLM's, the driver's, per run), probed."""
+    kv = [torch.zeros((4, 4096), dtype=torch.int8, device="cuda")]
+    chosen = make_executor(request.param, kv)
+    if chosen is None:
+        pytest.skip(f"the {request.param!r} copy executor is not available here")
+    why = probe(chosen, kv[0].device)
+    assert why is None, f"the {request.param!r} executor failed its probe copy: {why}"
+    yield chosen

@@ -243,3 +243,14 @@ def test_a_running_config_that_differs_is_refused_naming_each_key_and_both_value
         ray_address="10.0.0.1:6379",
     )
     check_running_config(engine_only, running, "the Evictor")
+
+
+def test_the_pinned_bounce_pool_size_parses_and_has_a_floor() -> None:
+    assert TierStoreConfig(cpu_bytes_per_node=1).pinned_bounce_bytes == 256 << 20
+    base = {**BASE, "cpu_bytes_per_node": 1}
+    cfg = TierStoreConfig.from_extra_config({**base, "pinned_bounce_bytes": "64MiB"})
+    assert cfg.pinned_bounce_bytes == 64 << 20
+    for bad in ("512KiB", 0, -1, "lots", True):
+        with pytest.raises(ConfigError, match="pinned_bounce_bytes") as error:
+            TierStoreConfig.from_extra_config({**base, "pinned_bounce_bytes": bad})
+        assert repr(bad) in str(error.value)

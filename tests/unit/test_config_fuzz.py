@@ -76,6 +76,7 @@ _not_str = _anything.filter(lambda v: not isinstance(v, str))
 BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "cpu_bytes_per_node": _bad_size | st.just(0),
     "disk_bytes_per_node": _bad_size,
+    "pinned_bounce_bytes": _bad_size | st.integers(0, (1 << 20) - 1) | st.just("1KiB"),
     "namespace": _not_str
     | st.text(min_size=65, max_size=80, alphabet="abc")
     | st.just("")

@@ -153,3 +153,28 @@ def test_a_cache_reset_drops_the_snapshot_and_any_one_asked_before_it() -> None:
     view.maybe_poll(0.2)
     channel.answer("events", EventBatch(7, 0, [event(A, CPU, False, 1)], "e1"))
     assert view.absent(key(2), 0.21) and _in_memory(view, key(1), 0.21, A) == A
+
+
+def test_presence_tells_seven_nodes_apart_and_lumps_the_rest_without_naming_them() -> None:
+    """The eighth node on, a tier's copies share one bit: they keep a key held (asked, never
+    a MISS at once, even after one of them goes) and never name a node to load from. This
+    engine's own node is always told apart, whatever order the nodes come in."""
+    here = NodeId("here")
+    presence = Presence(local=here)
+    nodes = [NodeId(f"node-{i}") for i in range(9)]
+    presence.apply([event(n, CPU, False, i) for i, n in enumerate(nodes)])
+    presence.apply([event(here, CPU, False, 100), event(nodes[8], CPU, False, 100)])
+    assert [presence.in_memory(key(i), None) for i in range(6)] == nodes[:6]
+    assert [presence.in_memory(key(i), None) for i in (6, 7, 8)] == [None] * 3  # lumped
+    assert all(key(i) in presence for i in range(9))
+    assert presence.in_memory(key(100), nodes[8]) == here  # not the lumped node
+    presence.apply([event(nodes[8], CPU, True, 8), event(nodes[0], CPU, True, 0)])
+    assert key(8) in presence and key(0) not in presence  # a lumped bit is never cleared
+
+
+def test_a_snapshot_of_many_chunks_costs_at_most_16_bytes_each() -> None:
+    presence = Presence(local=A)
+    n = 200_000
+    presence.apply([event(A, CPU, False, *range(n)), event(B, DISK, False, *range(0, n, 3))])
+    assert len(presence) == n and presence.nbytes / n <= 16
+    assert presence.in_memory(key(3), B) == A and presence.in_memory(key(n), A) is None

@@ -365,30 +365,37 @@ def test_a_key_held_nowhere_is_a_miss_at_once_while_the_snapshot_is_fresh(
     off.shutdown()
 
 
-def test_a_chunk_the_snapshot_shows_in_memory_is_a_hit_at_once_leased_in_the_same_step(
+def test_a_chunk_the_snapshot_shows_in_memory_here_is_a_hit_with_no_evictor_call(
     cfg: TierStoreConfig,
 ) -> None:
     """Under answer_hits_from_picture (a failed load recomputes), a chunk the fresh snapshot
-    shows in memory is a HIT with no RETRY step, loadable from its node by every rank; the
-    lease, asked in the same step, keeps it until complete_load. A chunk the Evictor lost
-    meanwhile is counted unleased and answered MISS once the Evictor says so."""
+    shows in this node's memory is a HIT with no RETRY step and no Evictor call in the step:
+    not leased, loadable from this node by every rank. Once loaded, the next step reports
+    it (the Evictor counts the hit and the load). One the Evictor lost after the snapshot
+    (a lost race) is a HIT all the same; its load fails, and the request's next lookups
+    are MISS (it recomputes) and its chunks may be stored again."""
     cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)  # no events poll meanwhile
     evictor, node = _evictor_holding(cfg, _key(1), _key(2))
     manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
     manager.answer_hits_from_picture(2)
     _wait_for_fresh_snapshot(manager)
 
+    def totals() -> dict[str, int]:
+        return evictor.status().result()["totals"]
+
     ctx = ReqContext(req_id="r1")
     manager.on_new_request(ctx)
     assert manager.lookup(_key(1), ctx) is LookupResult.HIT  # no RETRY step
     spec = manager.prepare_load([_key(1)], ctx)
+    assert spec.keys == (_key(1),)  # the worker looks the whole key up
     assert spec.nodes == (node,) and spec.locations == ((0, 0),)
-    manager.on_schedule_end(END)  # the step's lookups: the lease
-    hits = poll(lambda: evictor.status().result()["totals"]["hits"], 10, done=lambda n: n)
-    assert hits == 1
-    accepted, _ = evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()
-    assert accepted == [False]  # leased: not evicted for room
+    manager.on_schedule_end(END)
+    assert totals()["hits"] == 0  # nothing asked in the step
     manager.complete_load([_key(1)], ctx)
+    manager.on_schedule_end(END)  # the load's step: not reported yet
+    manager.on_schedule_end(END)  # the next: reported
+    reported = poll(totals, _WAIT_S, done=lambda t: t["loaded_chunks"])
+    assert reported["hits"] == 1 and reported["loaded_chunks"] == 1
     manager.on_request_finished(ctx)
 
     # Key 2 goes (evicted for key 4's room) after the snapshot's last poll.
@@ -397,14 +404,17 @@ def test_a_chunk_the_snapshot_shows_in_memory_is_a_hit_at_once_leased_in_the_sam
     late = ReqContext(req_id="late")
     manager.on_new_request(late)
     assert manager.lookup(_key(2), late) is LookupResult.HIT  # the snapshot's word
-    manager.on_schedule_end(END)
-    wait_for(
-        lambda: manager.lookup(_key(2), late) is LookupResult.MISS, "the Evictor's MISS", _WAIT_S
-    )
+    manager.prepare_load([_key(2)], late)
+    manager.on_load_failed("late")  # the worker found no key 2: the load failed
+    manager.complete_load([_key(2)], late)
+    assert manager.lookup(_key(2), late) is LookupResult.MISS  # recomputed
+    assert manager.prepare_store([_key(2)], late).keys_to_store == [_key(2)]
+    manager.on_request_finished(late)
     counters = manager.get_stats().data["data"]
     assert counters[metrics.VIEW_HITS] == {(): 2}
-    assert counters[metrics.VIEW_HITS_UNLEASED] == {(): 1}
     assert counters[metrics.LOOKUP_HITS] == {("cpu",): 2}  # each HIT counted once
+    assert counters[metrics.FAILED_LOADS] == {(): 1}
+    assert poll(totals, 1.0, done=lambda t: t["loaded_chunks"] > 1)["loaded_chunks"] == 1
     manager.shutdown()
 
     off = TierStoreManager(
@@ -418,6 +428,33 @@ def test_a_chunk_the_snapshot_shows_in_memory_is_a_hit_at_once_leased_in_the_sam
     off.on_new_request(ctx)
     assert off.lookup(_key(1), ctx) is LookupResult.RETRY  # asked first, as before
     off.shutdown()
+
+
+def test_a_chunk_the_snapshot_shows_only_on_another_node_is_leased_in_the_same_step(
+    cfg: TierStoreConfig,
+) -> None:
+    """A view hit on another node is a HIT at once too, but its load waits on that node:
+    its lookup goes out at the end of the same step, and the lease keeps the chunk."""
+    cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)
+    evictor, node = _evictor_holding(cfg)
+    other = "other-node"
+    evictor.register_node(other, 1000).result()
+    evictor.admit(other, [ShardOffer(NS, _key(5), 0, 1, 100)]).result()
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
+    manager.answer_hits_from_picture(1)
+    _wait_for_fresh_snapshot(manager)
+    ctx = ReqContext(req_id="remote")
+    manager.on_new_request(ctx)
+    assert manager.lookup(_key(5), ctx) is LookupResult.HIT
+    assert manager.prepare_load([_key(5)], ctx).nodes == (other,)
+    manager.on_schedule_end(END)
+    hits = poll(lambda: evictor.status().result()["totals"]["hits"], _WAIT_S, done=lambda n: n)
+    assert hits == 1
+    accepted, _ = evictor.admit(other, [ShardOffer(NS, _key(6), 0, 1, 950)]).result()
+    assert accepted == [False]  # leased: not evicted for room
+    manager.complete_load([_key(5)], ctx)
+    manager.on_request_finished(ctx)
+    manager.shutdown()
 
 
 def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(

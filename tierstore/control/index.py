@@ -13,7 +13,9 @@ Vocabulary:
   once, its load reading whichever copy it finds (see :meth:`ChunkIndex.lookup`);
 - a *unit* is every group's chunk at one token boundary (the key minus its group
   suffix). Units are what the policy orders and what is evicted: a hybrid model's
-  boundary is only usable with every group present.
+  boundary is only usable with every group present. They are also what a NodeStore
+  offers (:meth:`ChunkIndex.admit_units`): every rank's and group's shard of a boundary
+  its batch holds, one admission decision, so the work per prompt is O(chunks).
 - a unit's *parents* are the units of the previous chunk of each of its chains. A unit
   is dropped only when no resident unit names it as parent (tail first), and demoted
   from CPU only when no child still has a CPU shard.
@@ -63,7 +65,9 @@ from tierstore.control.index_model import (
     Shard,
     ShardOffer,
     TierAccount,
+    UnitAdmitResult,
     UnitId,
+    UnitOffer,
     Watermarks,
     valid_offer,
 )
@@ -83,7 +87,9 @@ __all__ = [
     "LookupState",
     "NodeActions",
     "ShardOffer",
+    "UnitAdmitResult",
     "UnitId",
+    "UnitOffer",
     "Watermarks",
 ]
 
@@ -231,7 +237,8 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
 
     # ---- stores ------------------------------------------------------------------------
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
-        """Decide which offered shards ``node`` keeps in its CPU tier.
+        """Decide which offered shards ``node`` keeps in its CPU tier, one shard at a time
+        (:meth:`admit_units` decides a token boundary's shards at once).
 
         Room is made by demoting to disk, then by dropping whole units, tail first, then
         by demoting this batch's own units (never dropping them). A shard is refused (a
@@ -239,33 +246,79 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
         pinned or promoting units are left (or, without a disk tier, this batch's own).
         Each admitted shard is also written through to disk when the disk has room.
         """
-        if node not in self._nodes:
-            raise UnknownNodeError(f"node {node!r} is not registered with the Evictor")
-        # Never make room by evicting the offered chunks' own parents: it would leave the
-        # new chunks unreachable the moment they land.
-        protected = {UnitId(o.namespace, boundary_of(o.key)) for o in offers} | {
-            UnitId(o.namespace, boundary_of(o.parent)) for o in offers if o.parent is not None
-        }
+        protected = self._admitting(node, offers)
         actions: Actions = defaultdict(NodeActions)
-        accepted: list[bool] = []
-        for offer in offers:
-            if not valid_offer(offer) or self._shard(offer.namespace, offer.key, offer.rank):
-                accepted.append(False)
-                continue
-            own = UnitId(offer.namespace, boundary_of(offer.key))
-            if not self._make_cpu_room(
-                node, offer.nbytes, protected, now, actions
-            ) and not self._demote_for_store(node, offer.nbytes, own, protected, now, actions):
-                self.stats.skipped_stores += 1
-                accepted.append(False)
-                continue
-            uid, shard = self._add_shard(node, offer, TierName.CPU)
-            accepted.append(True)
-            if self._make_disk_room(node, offer.nbytes, protected, now, actions):
-                self._gain(uid, self._units[uid], shard, TierName.DISK)
-                actions[node].persist.append(ShardId(offer.namespace, offer.key, offer.rank))
+        accepted = [self._admit_unit(node, [o], protected, now, actions)[0] for o in offers]
         self._demote_to_watermark(node, protected, now, actions)
         return AdmitResult(accepted, dict(actions))
+
+    def admit_units(self, node: NodeId, units: list[UnitOffer], now: float) -> UnitAdmitResult:
+        """As :meth:`admit`, with one decision per unit offer (a token boundary's shards:
+        every rank's and group's the node's batch holds): room is made once for all of
+        its new shards, and they are all kept or all refused. A shard already held is
+        refused alone (a rank offered again); the unit's other ranks may come in a later
+        offer, and its chunks are HITs once every rank is held."""
+        protected = self._admitting(node, [o for unit in units for o in unit.shards])
+        actions: Actions = defaultdict(NodeActions)
+        accepted = [self._admit_unit(node, unit.shards, protected, now, actions) for unit in units]
+        self._demote_to_watermark(node, protected, now, actions)
+        return UnitAdmitResult(accepted, dict(actions))
+
+    def _admitting(self, node: NodeId, offers: list[ShardOffer]) -> set[UnitId]:
+        """Start an admission: the units no room may be made from (the offered chunks'
+        own, and their parents': evicting those would leave the new chunks unreachable
+        the moment they land). Raises UnknownNodeError for a node not registered."""
+        if node not in self._nodes:
+            raise UnknownNodeError(f"node {node!r} is not registered with the Evictor")
+        self.stats.admit_calls += 1
+        return {UnitId(o.namespace, boundary_of(o.key)) for o in offers} | {
+            UnitId(o.namespace, boundary_of(o.parent)) for o in offers if o.parent is not None
+        }
+
+    def _admit_unit(
+        self,
+        node: NodeId,
+        shards: list[ShardOffer],
+        protected: set[UnitId],
+        now: float,
+        actions: Actions,
+    ) -> list[bool]:
+        """One admission decision for ``shards`` (of one unit): which of them ``node``
+        keeps. Room is made for the new ones together, CPU then disk (write-through)."""
+        self.stats.admitted_units += 1
+        new = self._new_shards(shards)
+        if not any(new):
+            return new
+        nbytes = sum(o.nbytes for o, ok in zip(shards, new, strict=True) if ok)
+        own = UnitId(shards[0].namespace, boundary_of(shards[0].key))
+        if not self._make_cpu_room(
+            node, nbytes, protected, now, actions
+        ) and not self._demote_for_store(node, nbytes, own, protected, now, actions):
+            self.stats.skipped_stores += sum(new)
+            return [False] * len(shards)
+        added = [
+            (o, self._add_shard(node, o, TierName.CPU, queue=False)[1])
+            for o, ok in zip(shards, new, strict=True)
+            if ok
+        ]
+        self._push(own, node, TierName.CPU)  # once for the unit, not per shard
+        if self._make_disk_room(node, nbytes, protected, now, actions):
+            unit = self._units[own]
+            for offer, shard in added:
+                self._gain(own, unit, shard, TierName.DISK, queue=False)
+                actions[node].persist.append(ShardId(offer.namespace, offer.key, offer.rank))
+            self._push(own, node, TierName.DISK)
+        return new
+
+    def _new_shards(self, shards: list[ShardOffer]) -> list[bool]:
+        """Which offers name a valid shard not held yet (nor earlier in ``shards``)."""
+        seen: set[tuple[ChunkKey, int]] = set()
+        new = []
+        for o in shards:
+            fresh = (o.key, o.rank) not in seen and valid_offer(o)
+            new.append(fresh and self._shard(o.namespace, o.key, o.rank) is None)
+            seen.add((o.key, o.rank))
+        return new
 
     # ---- lookups and promotion ---------------------------------------------------------
     def lookup(

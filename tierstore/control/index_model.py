@@ -20,6 +20,7 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
 from tierstore.wire import LookupAnswer as LookupAnswer
 from tierstore.wire import LookupState as LookupState
 from tierstore.wire import NodeActions, ShardOffer
+from tierstore.wire import UnitOffer as UnitOffer
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,11 @@ Actions = dict[NodeId, NodeActions]
 
 class AdmitResult(NamedTuple):
     accepted: list[bool]  # one per offer, in order
+    actions: Actions  # what each node must do to honour the decision
+
+
+class UnitAdmitResult(NamedTuple):
+    accepted: list[list[bool]]  # per unit offer, one per shard, in order
     actions: Actions  # what each node must do to honour the decision
 
 
@@ -134,6 +140,10 @@ class IndexStats:
     corrupt_before_hit: int = 0  # failed verification while promoting: became a miss
     corrupt_after_hit: int = 0  # failed verification on load: the request recomputes
     malformed_items: int = 0  # offers and shard ids from NodeStores refused unread
+    admit_calls: int = 0  # admit and admit_units calls
+    # Admission decisions made: one per unit offer (admit_units), one per shard (admit).
+    # The Evictor's work per prompt: O(chunks) when NodeStores offer units.
+    admitted_units: int = 0
 
 
 @dataclass(frozen=True)

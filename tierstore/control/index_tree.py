@@ -27,7 +27,9 @@ from tierstore.keys import ChunkKey, NodeId, ShardId, TierName, boundary_of
 class TreeMixin(IndexState):
     """Adds and drops shards and units, keeping edges and counters in step."""
 
-    def _add_shard(self, node: NodeId, offer: ShardOffer, tier: TierName) -> tuple[UnitId, Shard]:
+    def _add_shard(
+        self, node: NodeId, offer: ShardOffer, tier: TierName, queue: bool = True
+    ) -> tuple[UnitId, Shard]:
         cid = ChunkId(offer.namespace, offer.key)
         uid = UnitId(offer.namespace, boundary_of(offer.key))
         chunk = self._chunks.get(cid)
@@ -39,7 +41,7 @@ class TreeMixin(IndexState):
         shard = chunk.shards[offer.rank] = Shard(node, offer.nbytes)
         chunk.present += 1
         self._node_units[node].add(uid)
-        self._gain(uid, self._units[uid], shard, tier)
+        self._gain(uid, self._units[uid], shard, tier, queue)
         if chunk.complete:
             self.stats.stored_chunks += 1
         return uid, shard
@@ -88,8 +90,11 @@ class TreeMixin(IndexState):
             if not punit.cpu_children:
                 self._queue_tier(parent, punit, TierName.CPU)
 
-    def _gain(self, uid: UnitId, unit: Unit, shard: Shard, tier: TierName) -> None:
-        """``shard`` gets a copy in ``tier``: accounted, and a candidate there."""
+    def _gain(
+        self, uid: UnitId, unit: Unit, shard: Shard, tier: TierName, queue: bool = True
+    ) -> None:
+        """``shard`` gets a copy in ``tier``: accounted, and a candidate there (unless
+        not ``queue``: the caller pushes the unit once for all the shards it adds)."""
         if shard.has(tier):
             return
         shard.set(tier, True)
@@ -101,7 +106,8 @@ class TreeMixin(IndexState):
             if unit.cpu_copies == 1:
                 for parent in unit.parents:
                     self._units[parent].cpu_children += 1
-        self._push(uid, shard.node, tier)
+        if queue:
+            self._push(uid, shard.node, tier)
 
     def _lose(self, uid: UnitId, unit: Unit, shard: Shard, tier: TierName) -> None:
         """``shard`` loses its copy in ``tier``: its parents may become demotable."""

@@ -116,3 +116,28 @@ def arena_ranges(
     _check_ranges(lo, n, nbytes, "ranges")
     _, _, arena, size = ext.pieces(lo, n)
     return list(zip(arena.tolist(), size.tolist(), strict=True))
+
+
+def windows(nbytes: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` pieces of an ``nbytes`` job, each at most ``piece_bytes`` (> 0)."""
+    if piece_bytes <= 0:
+        raise ValueError(f"piece_bytes must be positive, got {piece_bytes}")
+    return [(lo, min(lo + piece_bytes, nbytes)) for lo in range(0, nbytes, piece_bytes)]
+
+
+def window_runs(runs: DmaRuns, lo: int, hi: int) -> DmaRuns:
+    """The part of job-buffer-ordered ``runs`` whose buffer bytes lie in ``[lo, hi)``,
+    offsets rebased to ``lo`` (a run crossing a bound is cut there): the copies of one
+    piece of a job staged through a buffer smaller than the job."""
+    if lo >= hi or len(runs) == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return DmaRuns(empty, empty, empty)
+    start = np.maximum(runs.offset, lo)
+    end = np.minimum(runs.offset + runs.nbytes, hi)
+    keep = end > start
+    start, end = start[keep], end[keep]
+    return DmaRuns(
+        np.ascontiguousarray(runs.kv_addr[keep] + (start - runs.offset[keep]), dtype=np.int64),
+        np.ascontiguousarray(start - lo, dtype=np.int64),
+        np.ascontiguousarray(end - start, dtype=np.int64),
+    )

@@ -1,10 +1,11 @@
 """Job buffers carved from a few large host segments a worker allocates once and reuses.
 
 Used where a job does not go through the node's arena (the object-store path, and the
-CUDA copier until it maps the arena): on CUDA the segments are pinned, so copies go
-device <-> segment with no per-job ``cudaHostAlloc`` (slow, and torch's pinned cache
-rounds sizes up and never frees); on the CPU platform they spare each job fresh pages
-to fault in.
+CUDA copier until it maps the arena): on CUDA one pinned segment is reserved at start
+(the bounce pool, :meth:`HostBuffers.reserve`) and only :meth:`HostBuffers.try_take`
+is used, which never allocates: a job larger than what is free goes in pieces (no
+per-job ``cudaHostAlloc``: slow, and torch's pinned cache rounds sizes up and never
+frees); on the CPU platform they spare each job fresh pages to fault in.
 
 A buffer is a numpy array over its extent. It returns to its segment when it and every
 view of it are gone (a ``weakref.finalize``), and, if a device copy may still be
@@ -85,9 +86,26 @@ class HostBuffers:
         with self._lock:
             return sum(s.memory.nbytes for s in self._segments)
 
+    def reserve(self, nbytes: int) -> None:
+        """Allocate one segment of ``nbytes`` now (start-up), so that :meth:`try_take`
+        has room without allocating later."""
+        with self._lock:
+            self._segments.append(_Segment(self._allocate(nbytes)))
+
     def take(self, nbytes: int, ready: Callable[[], bool] | None = None) -> np.ndarray:
         """A buffer of ``nbytes``. ``ready`` (if given) says whether the device copy that
-        uses it has finished; the buffer is reused only once it has and the view is gone."""
+        uses it has finished; the buffer is reused only once it has and the view is gone.
+        Grows the segments when none has room."""
+        view = self._take(nbytes, ready, grow=True)
+        assert view is not None
+        return view
+
+    def try_take(self, nbytes: int, ready: Callable[[], bool] | None = None) -> np.ndarray | None:
+        """As :meth:`take`, but never allocates: None when no segment has room now (a
+        fixed pool: the caller splits the job or waits)."""
+        return self._take(nbytes, ready, grow=False)
+
+    def _take(self, nbytes: int, ready: Callable[[], bool] | None, grow: bool) -> np.ndarray | None:
         if nbytes <= 0:
             return np.empty(0, dtype=np.uint8)
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
@@ -98,6 +116,8 @@ class HostBuffers:
                 if offset is not None:
                     break
             else:
+                if not grow:
+                    return None
                 segment = self._grow(size)
                 offset = segment.take(size)
                 assert offset is not None

@@ -45,8 +45,13 @@ class StaleArenaError(TierStoreError):
 
 
 class ArenaStore:
+    """The arena calls of one NodeStore, over its core's public calls (``admit``,
+    ``hold``, ``settle_store``, ``refused``); counted in the core's
+    :class:`~tierstore.store.stats.StoreCounters`, so ``status`` shows one set."""
+
     def __init__(self, core: NodeStoreCore, tier: ArenaTier) -> None:
         self._core = core
+        self._counters = core.counters  # the core's: one status for the node
         self.tier = tier
         self._next_sweep = 0.0
 
@@ -152,7 +157,7 @@ class ArenaStore:
             shard_id = ShardId(namespace, entry.key, rank)
             meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
             if not ok:
-                core._count(skipped_shards=1)
+                self._counters.add(skipped_shards=1)
                 self.tier.give_back(holder, [entry.offset])
                 continue
             if shard_id in to_disk:  # demoted on admission: straight from the extent to disk
@@ -163,7 +168,7 @@ class ArenaStore:
                 lost.append(shard_id)
                 continue
             kept += 1
-            core._count(stored_shards=1, stored_bytes=entry.nbytes)
+            self._counters.add(stored_shards=1, stored_bytes=entry.nbytes)
         core.settle_store(lost, persist)
         return kept
 
@@ -193,7 +198,7 @@ class ArenaStore:
             logger.warning("bad commit from %s", holder, exc_info=True)
             return False
         if not held:
-            self._core._count(skipped_shards=1)
+            self._counters.add(skipped_shards=1)
         return held
 
     def give_back(self, holder: str, epoch: str, offsets: list[int]) -> None:
@@ -209,7 +214,7 @@ class ArenaStore:
         if epoch != self.epoch:
             raise StaleArenaError(f"arena {epoch} was replaced by {self.epoch}")
         pins = self.tier.pin(holder, [ShardId(namespace, key, rank) for key in keys])
-        self._core._count(
+        self._counters.add(
             loaded_shards=len(pins), loaded_bytes=sum(meta.nbytes for _, meta in pins)
         )
         return pins
@@ -222,7 +227,7 @@ class ArenaStore:
         """A worker read shards of this arena without pinning them (their extents'
         generations held): counted as the loads they are."""
         if epoch == self.epoch:
-            self._core._count(loaded_shards=shards, loaded_bytes=nbytes)
+            self._counters.add(loaded_shards=shards, loaded_bytes=nbytes)
 
     def reclaim_dead(self) -> int:
         return self.tier.reclaim_dead()

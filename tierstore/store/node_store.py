@@ -6,20 +6,21 @@ buffer per job (an ObjectRef the worker put); the core copies each admitted shar
 it into memory this process owns, so the producing worker may exit without taking a
 byte with it (ray-notes: a held ObjectRef dies with its owner). What to keep, demote,
 promote or drop is the Evictor's decision; the core carries it out and reports what
-failed.
+failed. Replica pushes and receipts are a part it owns
+(:class:`~tierstore.store.replicas.ReplicaTransfers`).
 
 Threads (the actor's concurrency groups): ``load`` runs on several data threads at once;
 ``store``, ``apply``, ``accept_replicas`` and ``register_inventory`` on one control
 thread; ``inventory``/``status`` on a third; a store's write-through on a thread of its
 own (``defer``), so the next store never waits behind the last one's disk writes. The
-tiers lock their own indexes (never across a payload read or write), the core locks its
-stats, and no lock is ever held across an Evictor or peer call, so a load never waits
-on either. Every change of a shard's disk copy (write-through, demotion, a store
-demoted on admission, drop) holds the core's disk lock, so a write-through and the
-Evictor's decisions never interleave on one shard: a shard dropped while its
-write-through waited is not written after. A load copies out of a shard array that is
-never written after it is stored: a concurrent drop only removes the tier's reference,
-and a dropped disk file fails the read cleanly.
+tiers lock their own indexes (never across a payload read or write), the counters
+(:class:`~tierstore.store.stats.StoreCounters`) lock themselves, and no lock is ever
+held across an Evictor or peer call, so a load never waits on either. Every change of
+a shard's disk copy (write-through, demotion, a store demoted on admission, drop) holds
+the core's disk lock, so a write-through and the Evictor's decisions never interleave
+on one shard: a shard dropped while its write-through waited is not written after. A
+load copies out of a shard array that is never written after it is stored: a concurrent
+drop only removes the tier's reference, and a dropped disk file fails the read cleanly.
 
 A failed disk write (a full or failing filesystem) costs only the disk copy: the shard
 stays in memory, the Evictor learns it has no disk copy, and the disk tier is degraded
@@ -45,8 +46,8 @@ from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullErro
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.disk_health import DiskHealth, os_error_of
 from tierstore.store.ports import EvictorPort, PeerPort
-from tierstore.store.replicas import Replicas
-from tierstore.store.stats import NodeStoreStats, tier_status
+from tierstore.store.replicas import ReplicaTransfers
+from tierstore.store.stats import NodeStoreStats, StoreCounters, tier_status
 from tierstore.wire import (
     MalformedField,
     NodeActions,
@@ -57,9 +58,11 @@ from tierstore.wire import (
     buffer_room,
     check_job,
     check_origin,
+    per_shard,
+    units_of,
 )
 
-__all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort"]
+__all__ = ["EvictorPort", "NodeStoreCore", "NodeStoreStats", "PeerPort", "StoreCounters"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class Promotion(Enum):
 
 
 @dataclass
-class NodeStoreCore(Replicas):
+class NodeStoreCore:
     node_id: NodeId
     cpu: Tier  # the node's shared arena in the actor (ArenaTier)
     disk: DiskTier | None
@@ -90,8 +93,8 @@ class NodeStoreCore(Replicas):
     # the store is acknowledged, so it never delays a store); default: right away.
     defer: Callable[[list[ShardId]], None] | None = None
     peers: PeerPort | None = None  # None: replicas cannot be pushed (reported failed)
-    stats: NodeStoreStats = field(default_factory=NodeStoreStats)
-    _stats_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Shared with the parts that count (replica transfers, the actor's ArenaStore).
+    counters: StoreCounters = field(default_factory=StoreCounters)
     # Held by every change of a shard's disk copy, one shard at a time; never across an
     # Evictor or peer call.
     _disk_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
@@ -102,19 +105,23 @@ class NodeStoreCore(Replicas):
     _reported_failures: int = field(default=0, init=False, repr=False)
     _reported_writable: bool = field(default=True, init=False, repr=False)
     _report_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _replicas: ReplicaTransfers = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.defer is None:
             self.defer = self.write_through
         if self.disk is not None:  # corrupt files found (and removed) while re-indexing
-            self._count(corrupt_before_hit=self.disk.corrupt_chunks_removed)
+            self.counters.add(corrupt_before_hit=self.disk.corrupt_chunks_removed)
             self._disk_health = DiskHealth(self.disk.root, self.clock)
-
-    def _count(self, **deltas: int) -> None:
-        """Add to stats counters; any thread (loads count from several at once)."""
-        with self._stats_lock:
-            for name, delta in deltas.items():
-                setattr(self.stats, name, getattr(self.stats, name) + delta)
+        self._replicas = ReplicaTransfers(
+            node_id=self.node_id,
+            cpu=self.cpu,
+            disk=self.disk,
+            evictor=self.evictor,
+            peers=self.peers,
+            counters=self.counters,
+            drop=self.drop,
+        )
 
     # ---- start-up ----------------------------------------------------------------------
     def register_inventory(self, after_evictor_restart: bool = False) -> int:
@@ -161,14 +168,14 @@ class NodeStoreCore(Replicas):
         lost: list[ShardId] = []
         for entry, ok in zip(entries, accepted, strict=True):
             if not ok:
-                self._count(skipped_shards=1)
+                self.counters.add(skipped_shards=1)
                 continue
             shard_id = ShardId(namespace, entry.key, rank)
             data = buffer[entry.offset : entry.offset + entry.nbytes]
             if not self.cpu.copies_on_put:  # it would keep a view of the worker's buffer
                 data = np.array(data, copy=True)
             if digest(data) != entry.digest:
-                self._count(corrupt_on_store=1)
+                self.counters.add(corrupt_on_store=1)
                 logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
                 lost.append(shard_id)
                 continue
@@ -177,13 +184,13 @@ class NodeStoreCore(Replicas):
                 lost.append(shard_id)
                 continue
             kept += 1
-            self._count(stored_shards=1, stored_bytes=entry.nbytes)
+            self.counters.add(stored_shards=1, stored_bytes=entry.nbytes)
         self.settle_store(lost, persist)
         return kept
 
     def refused(self, error: MalformedField, what: str = "store job") -> RefusedCommit:
         """Count and log a store job refused for ``error``; the error its worker gets."""
-        self._count(refused_commits=1)
+        self.counters.add(refused_commits=1)
         logger.warning("refused a %s: %s", what, error)
         return RefusedCommit(f"{what} refused by node {self.node_id}: {error}")
 
@@ -197,7 +204,10 @@ class NodeStoreCore(Replicas):
             ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries
         ]
         self._report_disk([])  # a degraded disk tier's retry falls due: writes planned again
-        accepted, own = self.evictor.admit(self.node_id, offers).result(ADMIT_TIMEOUT_S)
+        # One offer per token boundary (its KV cache groups' shards): one decision each.
+        units = units_of(offers)
+        answers, own = self.evictor.admit_units(self.node_id, units).result(ADMIT_TIMEOUT_S)
+        accepted = per_shard(offers, units, answers)
         batch = {
             ShardId(namespace, e.key, rank) for e, ok in zip(entries, accepted, strict=True) if ok
         }
@@ -225,15 +235,15 @@ class NodeStoreCore(Replicas):
                 with self._disk_lock:
                     written = self._disk_put(shard_id, lambda: shard)
                 if not written:
-                    self._count(skipped_shards=1)
+                    self.counters.add(skipped_shards=1)
                     return False
-                self._count(demoted_shards=1)
+                self.counters.add(demoted_shards=1)
             else:
                 self.cpu.put(shard_id, shard)
         except (TierFullError, ValueError):
             tier = "disk" if to_disk else "CPU"
             logger.warning("%s tier refused admitted %s", tier, shard_id.key.hex(), exc_info=True)
-            self._count(skipped_shards=1)
+            self.counters.add(skipped_shards=1)
             return False
         return True
 
@@ -255,7 +265,14 @@ class NodeStoreCore(Replicas):
             done, failed, refused = (outcomes[p] for p in Promotion)
             self.evictor.promoted(self.node_id, done, failed, refused)
         self._report_disk(unwritten)
-        self._push(actions.push)
+        self._replicas.push(actions.push)
+
+    def accept_replicas(
+        self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
+    ) -> None:
+        """Keep replica shards another node pushed, verified; the Evictor hears which
+        (:meth:`ReplicaTransfers.accept`). Control thread."""
+        self._replicas.accept(shards, views)
 
     def write_through(self, shard_ids: list[ShardId]) -> None:
         """Copy stored shards to disk; their memory copies stay. The actor's
@@ -275,7 +292,7 @@ class NodeStoreCore(Replicas):
                 freed += self.cpu.delete(shard_id)
                 if self.disk is not None:
                     freed += self.disk.delete(shard_id)
-            self._count(dropped_shards=1)
+            self.counters.add(dropped_shards=1)
         return freed
 
     def _disk_put(self, shard_id: ShardId, shard: Callable[[], StoredShard]) -> bool:
@@ -284,12 +301,12 @@ class NodeStoreCore(Replicas):
         as ENOSPC, EDQUOT or EIO, degrades the tier until its retry)."""
         assert self.disk is not None and self._disk_health is not None
         if not self._disk_health.writable():
-            self._count(disk_writes_skipped=1)
+            self.counters.add(disk_writes_skipped=1)
             return False
         try:
             self.disk.put(shard_id, shard())
         except (TierFullError, ValueError, OSError) as exc:
-            self._count(disk_write_failures=1)
+            self.counters.add(disk_write_failures=1)
             error = os_error_of(exc)
             if error is None:  # the tier refused it (no room it knows of, a bad name)
                 logger.warning("writing %s to disk failed", shard_id.key.hex(), exc_info=True)
@@ -321,9 +338,9 @@ class NodeStoreCore(Replicas):
             written = self._write_to_disk(shard_id)
             held = self.cpu.delete(shard_id) > 0
         if written:
-            self._count(demoted_shards=1)
+            self.counters.add(demoted_shards=1)
         elif held:
-            self._count(failed_demotions=1)
+            self.counters.add(failed_demotions=1)
         return written
 
     def _persist(self, shard_ids: Iterable[ShardId]) -> tuple[list[ShardId], list[ShardId]]:
@@ -351,9 +368,9 @@ class NodeStoreCore(Replicas):
         # threads' reports of the tier's state reach the Evictor in the order read.
         with self._report_lock:
             writable = self._disk_health.writable()
-            with self._stats_lock:
-                failures = self.stats.disk_write_failures - self._reported_failures
-                self._reported_failures = self.stats.disk_write_failures
+            total = self.counters.value("disk_write_failures")
+            failures = total - self._reported_failures
+            self._reported_failures = total
             if unwritten or failures or writable != self._reported_writable:
                 self._reported_writable = writable
                 self.evictor.report_disk_writes(self.node_id, unwritten, failures, writable)
@@ -381,13 +398,13 @@ class NodeStoreCore(Replicas):
                 shard_id.key.hex(),
                 exc_info=True,
             )
-            self._count(corrupt_before_hit=1)
+            self.counters.add(corrupt_before_hit=1)
             return Promotion.FAILED
         except TierFullError as exc:
             logger.info("%s stays on disk: %s", shard_id.key.hex(), exc)
-            self._count(refused_promotions=1)
+            self.counters.add(refused_promotions=1)
             return Promotion.REFUSED
-        self._count(promoted_shards=1)
+        self.counters.add(promoted_shards=1)
         return Promotion.DONE
 
     # ---- loads -------------------------------------------------------------------------
@@ -415,7 +432,7 @@ class NodeStoreCore(Replicas):
             shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
             out = put([s.data for s in shards])
         nbytes = sum(s.meta.nbytes for s in shards)
-        self._count(loaded_shards=len(shards), loaded_bytes=nbytes)
+        self.counters.add(loaded_shards=len(shards), loaded_bytes=nbytes)
         return out, [s.meta for s in shards]
 
     def _held(self, shard_id: ShardId) -> StoredShard:
@@ -423,7 +440,7 @@ class NodeStoreCore(Replicas):
         if shard is not None:
             if digest(shard.data) != shard.meta.digest:
                 # The bytes changed in memory after the HIT was promised: fail the load.
-                self._count(corrupt_after_hit=1)
+                self.counters.add(corrupt_after_hit=1)
                 self.cpu.delete(shard_id)
                 self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise ChunkCorruptError(
@@ -437,7 +454,7 @@ class NodeStoreCore(Replicas):
             try:
                 return self.disk.get(shard_id)
             except ChunkCorruptError:
-                self._count(corrupt_after_hit=1)
+                self.counters.add(corrupt_after_hit=1)
                 self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise
         raise ChunkNotFoundError(
@@ -457,16 +474,12 @@ class NodeStoreCore(Replicas):
             "node_id": self.node_id,
             "cpu": tier_status(self.cpu),
             "disk": {**tier_status(self.disk), **self._disk_state()},
-            "stats": self._stats_snapshot(),
+            "stats": self.counters.snapshot(),
         }
 
     def _disk_state(self) -> dict[str, object]:
         """Whether the disk tier is degraded (and why, since when, the retry)."""
         return self._disk_health.status() if self._disk_health else {"degraded": False}
-
-    def _stats_snapshot(self) -> dict[str, int]:
-        with self._stats_lock:
-            return dict(vars(self.stats))
 
 
 def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:

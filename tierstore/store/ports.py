@@ -13,21 +13,24 @@ from typing import Protocol
 import numpy as np
 
 from tierstore.keys import NodeId, ShardId, TierName
-from tierstore.wire import NodeActions, Reply, ShardMeta, ShardOffer
+from tierstore.wire import NodeActions, Reply, ShardMeta, ShardOffer, UnitOffer
 
 __all__ = ["EvictorPort", "PeerPort", "Reply"]
 
-# An admit's answer: one flag per offer, and the asking node's own actions.
+# A restore's answer: one flag per copy offered, and the asking node's own actions.
 Decision = tuple[list[bool], NodeActions]
+# An admit_units' answer: per unit, one flag per shard (none for a unit refused whole),
+# and the asking node's own actions.
+UnitDecision = tuple[list[list[bool]], NodeActions]
 
 
 class EvictorPort(Protocol):
     """What a NodeStore asks of the Evictor. Each call is sent at once and returns its
-    :class:`~tierstore.wire.Reply`: ``admit``/``restore`` are waited for (with the
+    :class:`~tierstore.wire.Reply`: ``admit_units``/``restore`` are waited for (with the
     NodeStore's deadlines); the rest are one-way (the reply is dropped). Called from the
     NodeStore's control and write-through threads, never with a lock held."""
 
-    def admit(self, node_id: str, offers: list[ShardOffer]) -> Reply[Decision]: ...
+    def admit_units(self, node_id: str, units: list[UnitOffer]) -> Reply[UnitDecision]: ...
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False

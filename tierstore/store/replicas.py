@@ -1,14 +1,18 @@
 """Hot-chunk replicas between NodeStores: pushing verified shards to a node that keeps
 loading them, and keeping the ones another node pushed here.
 
-A part of :class:`~tierstore.store.node_store.NodeStoreCore` (a mixin: the core's tiers,
-Evictor port and counters), kept apart so each module has one job. Control thread.
+:class:`ReplicaTransfers` is a part :class:`~tierstore.store.node_store.NodeStoreCore`
+owns and delegates to: it is given the node's tiers, the Evictor and peer ports, the
+counters and the core's ``drop`` (which takes the core's disk lock), and keeps no state
+of its own. Control thread (the core's ``apply`` and ``accept_replicas``); it holds no
+lock across a peer or Evictor call.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,22 +22,31 @@ from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
 from tierstore.keys import NodeId, ShardId
 from tierstore.store.ports import EvictorPort, PeerPort
+from tierstore.store.stats import StoreCounters
 from tierstore.wire import ShardMeta
+
+__all__ = ["ReplicaTransfers"]
 
 logger = logging.getLogger(__name__)
 
 
-class Replicas:
+@dataclass(frozen=True)
+class ReplicaTransfers:
+    """Replica pushes and receipts of one node.
+
+    :meth:`push` sends shards the Evictor chose to replicate; :meth:`accept` keeps those
+    another node sent. Both report to the Evictor what became of each shard (one-way),
+    so its index never counts on a replica that is not there."""
+
     node_id: NodeId
     cpu: Tier
     disk: DiskTier | None
     evictor: EvictorPort
-    peers: PeerPort | None
-    _count: Callable[..., None]
-    drop: Callable[[list[ShardId]], int]
+    peers: PeerPort | None  # None: pushes cannot be sent (reported failed)
+    counters: StoreCounters
+    drop: Callable[[list[ShardId]], int]  # forgets a corrupt copy in both tiers (the core's)
 
-    # ---- replicas ----------------------------------------------------------------------
-    def _push(self, pushes: list[tuple[ShardId, NodeId]]) -> None:
+    def push(self, pushes: list[tuple[ShardId, NodeId]]) -> None:
         """Send each shard (verified first: a bad one is never spread) to its node."""
         by_node: dict[NodeId, list[ShardId]] = {}
         for shard_id, node in pushes:
@@ -41,6 +54,32 @@ class Replicas:
         for node, shard_ids in by_node.items():
             with self.cpu.reading():  # no extent read here is reused until they are put
                 self._push_to(node, shard_ids)
+
+    def accept(self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]) -> None:
+        """Keep replica shards another node pushed (``views``: one array per shard, maybe
+        read-only views of the fetched object), verified; tell the Evictor which."""
+        done: list[ShardId] = []
+        failed: list[ShardId] = []
+        if len(views) != len(shards):
+            logger.warning("%d arrays for %d replica shards; none kept", len(views), len(shards))
+            views = []
+        for i, (shard_id, meta) in enumerate(shards):
+            data = views[i] if i < len(views) else np.empty(0, dtype=np.uint8)
+            if not self.cpu.copies_on_put:
+                data = np.array(data, copy=True)
+            if data.nbytes != meta.nbytes or digest(data) != meta.digest:
+                self.counters.add(corrupt_on_store=1)
+                failed.append(shard_id)
+                continue
+            try:
+                self.cpu.put(shard_id, StoredShard(meta, data))
+            except TierFullError:
+                logger.warning("no CPU room for replica %s", shard_id.key.hex(), exc_info=True)
+                failed.append(shard_id)
+                continue
+            self.counters.add(replicas_received=1)
+            done.append(shard_id)
+        self.evictor.replicated(self.node_id, done, failed)
 
     def _push_to(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         sent: list[tuple[ShardId, StoredShard]] = []
@@ -51,12 +90,11 @@ class Replicas:
                 failed.append(shard_id)
             else:
                 sent.append((shard_id, shard))
-        if sent:
-            assert self.peers is not None
+        if sent and self.peers is not None:
             # The extents themselves: the port copies them out once (into the object store).
             metas = [(sid, s.meta) for sid, s in sent]
             self.peers.accept_replicas(node, metas, [s.data for _, s in sent])
-            self._count(replicas_sent=len(sent))
+            self.counters.add(replicas_sent=len(sent))
         if failed:
             self.evictor.replicated(node, [], failed)
 
@@ -74,35 +112,7 @@ class Replicas:
             return None  # dropped meanwhile
         except ChunkCorruptError:
             logger.warning("not replicating corrupt %s", shard_id.key.hex(), exc_info=True)
-            self._count(corrupt_before_hit=1)
+            self.counters.add(corrupt_before_hit=1)
             self.drop([shard_id])
             self.evictor.forget_shards(self.node_id, [shard_id])
         return None
-
-    def accept_replicas(
-        self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
-    ) -> None:
-        """Keep replica shards another node pushed (``views``: one array per shard, maybe
-        read-only views of the fetched object), verified; tell the Evictor which."""
-        done: list[ShardId] = []
-        failed: list[ShardId] = []
-        if len(views) != len(shards):
-            logger.warning("%d arrays for %d replica shards; none kept", len(views), len(shards))
-            views = []
-        for i, (shard_id, meta) in enumerate(shards):
-            data = views[i] if i < len(views) else np.empty(0, dtype=np.uint8)
-            if not self.cpu.copies_on_put:
-                data = np.array(data, copy=True)
-            if data.nbytes != meta.nbytes or digest(data) != meta.digest:
-                self._count(corrupt_on_store=1)
-                failed.append(shard_id)
-                continue
-            try:
-                self.cpu.put(shard_id, StoredShard(meta, data))
-            except TierFullError:
-                logger.warning("no CPU room for replica %s", shard_id.key.hex(), exc_info=True)
-                failed.append(shard_id)
-                continue
-            self._count(replicas_received=1)
-            done.append(shard_id)
-        self.evictor.replicated(self.node_id, done, failed)

@@ -27,6 +27,7 @@ from typing import Any
 
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
 from tierstore.vllm.evictor_channel import EvictorChannel
+from tierstore.vllm.key_table import KeyTable
 from tierstore.vllm.metrics import ManagerMetrics
 from tierstore.vllm.residency import EventQueue
 from tierstore.wire import EventBatch, ResidencyEvent
@@ -39,48 +40,81 @@ STATUS_PERIOD_S = 1.0
 
 
 class Presence:
-    """The chunks of one namespace held anywhere: per key, a bit per (node, tier) copy
-    (only rank 0's shard stands for a chunk, as in the event log). Adding a copy twice
-    is harmless, so replayed or overlapping events cannot leave a phantom count."""
+    """The chunks of one namespace held anywhere, and where: a :class:`KeyTable` of
+    their keys, each with a 16-bit mask of (node, tier) copies (only rank 0's shard
+    stands for a chunk, as in the event log). 8 B per chunk in a table kept 50-75 %
+    full: at most 16 B per chunk.
 
-    def __init__(self) -> None:
-        self._copies: dict[ChunkKey, int] = {}
+    Bits 0-6 are the CPU tiers and 8-14 the disk tiers of the first seven nodes seen of
+    each (``local``, this engine's node, first): exact, so adding a copy twice is harmless
+    and a removal clears just its copy. Bits 7 and 15 stand for every other node's CPU and
+    disk tier: set by any copy there and never cleared (which of those nodes lost its copy
+    is not known), so they can only make a key read as held (asked, never answered MISS
+    at once) and never name a node to load from. A false positive of the table (another
+    key's fingerprint) reads as held the same way: it is asked, or, answered from the view,
+    its load finds no such key and the request recomputes."""
+
+    _DEDICATED = 7  # exact bits per tier kind
+    _SHARED_CPU = 1 << 7
+    _SHARED_DISK = 1 << 15
+    _CPU_BITS = 0x7F
+
+    def __init__(self, local: NodeId | None = None) -> None:
+        self._table = KeyTable()
         self._bits: dict[tuple[NodeId, TierName], int] = {}
+        self._nodes: dict[int, NodeId] = {}  # a dedicated CPU bit -> its node
+        self._cpu_nodes = self._disk_nodes = 0
+        if local is not None:
+            self._bit(local, TierName.CPU)
+            self._bit(local, TierName.DISK)
 
     def __contains__(self, key: ChunkKey) -> bool:
-        return key in self._copies
+        return key in self._table
 
     def __len__(self) -> int:
-        return len(self._copies)
+        return len(self._table)
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
+
+    def _bit(self, node: NodeId, tier: TierName) -> int:
+        bit = self._bits.get((node, tier))
+        if bit is not None:
+            return bit
+        if tier is TierName.CPU:
+            index, self._cpu_nodes = self._cpu_nodes, self._cpu_nodes + 1
+            bit = 1 << index if index < self._DEDICATED else self._SHARED_CPU
+            if index < self._DEDICATED:
+                self._nodes[bit] = node
+        else:
+            index, self._disk_nodes = self._disk_nodes, self._disk_nodes + 1
+            bit = 1 << (8 + index) if index < self._DEDICATED else self._SHARED_DISK
+        self._bits[(node, tier)] = bit
+        return bit
 
     def in_memory(self, key: ChunkKey, prefer: NodeId | None) -> NodeId | None:
         """A node holding ``key`` in memory, ``prefer`` (the asking engine's node) if it
-        does; None if no node does."""
-        copies = self._copies.get(key, 0)
-        found = None
-        if copies:
-            for (node, tier), bit in self._bits.items():
-                if copies & bit and tier is TierName.CPU:
-                    if node == prefer:
-                        return node
-                    found = node
-        return found
+        does; None if no node does, or only nodes past the first seven do."""
+        return self.where(key, prefer)[1]
+
+    def where(self, key: ChunkKey, prefer: NodeId | None) -> tuple[bool, NodeId | None]:
+        """Whether ``key`` is held anywhere, and :meth:`in_memory`'s node (one probe)."""
+        mask = self._table.mask(key)
+        cpu = mask & self._CPU_BITS
+        if not cpu:
+            return mask != 0, None
+        if prefer is not None and cpu & self._bits.get((prefer, TierName.CPU), 0):
+            return True, prefer
+        return True, self._nodes[cpu & -cpu]  # the lowest bit set
 
     def apply(self, events: Iterable[ResidencyEvent]) -> None:
-        copies = self._copies
         for event in events:
-            where = (event.node, TierName(event.tier))
-            bit = self._bits.setdefault(where, 1 << len(self._bits))
+            bit = self._bit(event.node, TierName(event.tier))
             if not event.removed:
-                for key in event.keys:
-                    copies[key] = copies.get(key, 0) | bit
-                continue
-            for key in event.keys:
-                left = copies.get(key, 0) & ~bit
-                if left:
-                    copies[key] = left
-                else:
-                    copies.pop(key, None)
+                self._table.update(event.keys, set_bits=bit)
+            elif bit not in (self._SHARED_CPU, self._SHARED_DISK):
+                self._table.update(event.keys, clear_bits=bit)
 
 
 class ClusterView:
@@ -88,7 +122,7 @@ class ClusterView:
     snapshot) and of the Evictor's status, polled from the Evictor. Scheduler thread and
     the Evictor channel's thread, under the manager's lock; nothing here waits on Ray."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the manager's state it shares, and its settings
         self,
         channel: EvictorChannel,
         namespace: Namespace,
@@ -96,11 +130,14 @@ class ClusterView:
         metrics: ManagerMetrics,
         events: EventQueue | None,
         max_age_s: float,
+        local: NodeId | None = None,
     ) -> None:
         """``channel``: the lookups' channel; polls go on a sibling of it, so a lookup
         never waits behind one. ``events``: where vLLM's KV-cache events go, if it
         drains them. ``max_age_s``: how old the presence snapshot may be and still answer
-        MISS; 0 keeps none (every key is asked)."""
+        MISS; 0 keeps none (every key is asked). ``local``: this engine's node (its copies
+        are always told apart in the snapshot)."""
+        self._local = local
         self._channel = channel.sibling()
         self._namespace = namespace
         self._lock = lock
@@ -153,10 +190,21 @@ class ClusterView:
         A chunk demoted to disk since is read from disk by its NodeStore, one held only
         on another node from there; one gone everywhere fails its load and the request
         recomputes, as with any view hit."""
+        return self.locate(key, now, local, stored_here_lately)[1]
+
+    def locate(
+        self, key: ChunkKey, now: float, local: NodeId | None, stored_here_lately: bool
+    ) -> tuple[bool, NodeId | None]:
+        """:meth:`absent` (as False) and :meth:`loadable_from` in one probe: whether
+        ``key`` may be held (False: no node held it as of a fresh snapshot), and where a
+        view hit may load it from."""
         presence = self._fresh(now)
-        if presence is not None and key in presence:
-            return presence.in_memory(key, local)
-        return local if stored_here_lately else None
+        if presence is None:
+            return True, local if stored_here_lately else None
+        held, node = presence.where(key, local)
+        if not held:
+            return False, local if stored_here_lately else None
+        return True, node
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:
@@ -193,7 +241,7 @@ class ClusterView:
                 self._metrics.cluster_status(status)
 
     def _on_snapshot(self, batch: EventBatch | None, sent_at: float) -> None:
-        presence = Presence()
+        presence = Presence(self._local)
         if batch is not None:  # built off the lock: it may be the whole namespace
             presence.apply(batch.events)
         with self._lock:
@@ -202,7 +250,12 @@ class ClusterView:
                 return
             self._presence, self._refreshed_at = presence, sent_at
             self._seq, self._epoch = batch.next_seq, batch.epoch
-            logger.debug("presence snapshot: %d chunks of %s", len(presence), self._namespace)
+            logger.debug(
+                "presence snapshot: %d chunks of %s in %d bytes",
+                len(presence),
+                self._namespace,
+                presence.nbytes,
+            )
             self._forward(batch.events)
 
     def _on_events(self, batch: EventBatch | None, sent_at: float) -> None:

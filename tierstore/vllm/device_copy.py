@@ -3,8 +3,9 @@
 Each job's copies are described once (:mod:`tierstore.data.copy_plan`) from its
 ``JobPlan`` and block ids. On the CPU platform the KV cache is host memory and the
 plan runs as vectorized numpy copies (:mod:`tierstore.data.host_copy`). On CUDA the
-same plan, as flat pointer runs, goes to vLLM's ``swap_blocks_batch``: one driver call
-per job on a side stream, no GPU staging. Its host side is the node's arena once the
+same plan, as flat pointer runs, goes to one batched copy per job on a side stream
+(vLLM's ``swap_blocks_batch``, else the driver's through cuda-bindings, else a copy per
+run: :mod:`tierstore.vllm.batch_copy`), no GPU staging. Its host side is the node's arena once the
 worker has mapped and registered it (``attach_arena``): stores gather straight into
 their granted extents and same-node loads scatter straight out of pinned extents
 (:mod:`tierstore.data.extent_dma` maps the runs onto the extents); otherwise pinned
@@ -18,15 +19,17 @@ CUDA ordering (vLLM 0.33's ``cpu/gpu_worker.py`` does the same):
 - block ids become pointers on the host: nothing is copied to the GPU at submit, so
   submit never waits for the forward.
 - the arena is registered once per worker (``cudaHostRegister``,
-  :mod:`tierstore.vllm.host_register`); descriptor tables and the object-store path's
-  host buffers are pinned once and reused (``HostBuffers``): no per-job
-  ``cudaHostAlloc``, no per-job GPU allocation.
+  :mod:`tierstore.vllm.host_register`), or used as pageable memory where it cannot be;
+  the object-store path's host buffers come from a pinned bounce pool reserved at
+  start (``HostBuffers``), a larger job in pieces: no per-job ``cudaHostAlloc``, no
+  per-job GPU allocation.
 - stores, loads and expedited loads each have their own stream.
 - events are blocking: a thread waiting on one sleeps instead of spinning.
 - the copy is timed by its own start/end events (``Gathered.copy_seconds``).
 
 This module holds the interface and the host executor; the CUDA executor is
-:mod:`tierstore.vllm.cuda_copy`, imported only where the KV cache is on a GPU.
+:mod:`tierstore.vllm.cuda_copy`, imported only where the KV cache is on a GPU. No module
+here imports Ray or vLLM (the GPU check runs on a machine without them).
 """
 
 from __future__ import annotations
@@ -115,8 +118,9 @@ class Scatter:
 
     @property
     def pieces_in_place(self) -> bool:
-        """Whether :meth:`from_pieces` works (the host executor)."""
-        return self._from_pieces is not None
+        """Whether :meth:`from_verified_pieces` works (the host executor; CUDA, which
+        copies each piece into pinned memory as it hashes it)."""
+        return self._from_pieces is not None or self._verified is not None
 
     def from_pieces(self, pieces: Sequence[tuple[int, np.ndarray]]) -> None:
         """Scatter from separate buffers, each the job's bytes from a chunk boundary
@@ -337,10 +341,11 @@ def _scatter_pieces(
         executor.scatter(window(plan, lo, lo + piece.nbytes), piece)
 
 
-def make_copier(layout: ChunkLayout) -> DeviceCopier:
-    """The executor for where the KV tensors live."""
+def make_copier(layout: ChunkLayout, bounce_bytes: int | None = None) -> DeviceCopier:
+    """Start-up: the copier for where the KV tensors live; on CUDA it reserves
+    ``bounce_bytes`` of pinned memory (the config's default if None)."""
     if layout.device.type == "cuda":
-        from tierstore.vllm.cuda_copy import CudaCopier  # imports vLLM's CUDA ops
+        from tierstore.vllm.cuda_copy import DEFAULT_BOUNCE_BYTES, CudaCopier
 
-        return CudaCopier(layout)
+        return CudaCopier(layout, bounce_bytes=bounce_bytes or DEFAULT_BOUNCE_BYTES)
     return HostCopier(layout)

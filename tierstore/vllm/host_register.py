@@ -3,10 +3,12 @@
 A shared mapping cannot come from CUDA's pinned allocator, so it is registered after
 the fact, as vLLM 0.33 does for its ``SharedOffloadRegion`` (``cpu/gpu_worker.py``,
 ``pin_mmap_region``): through vLLM's own helper (``kv_offload/cpu/host_register.py``,
-which also clears the runtime's error on failure, so torch does not trip over it later),
-in ranges of at most :data:`MAX_REGISTER_BYTES` (driver limits on large ranges), rolled
-back whole if one fails. No copy may straddle two ranges: the copier cuts its DMA runs
-at multiples of :data:`MAX_REGISTER_BYTES` (:func:`tierstore.data.extent_dma.arena_runs`).
+which also clears the runtime's error on failure, so torch does not trip over it later)
+when its signature is the one this was written for, else through cuda-bindings' runtime
+(the same calls), in ranges of at most :data:`MAX_REGISTER_BYTES`, rolled back whole if
+one fails (the copier then uses the arena as pageable memory). No copy may straddle two
+ranges: the copier cuts its DMA runs at multiples of :data:`MAX_REGISTER_BYTES`
+(:func:`tierstore.data.extent_dma.arena_runs`).
 
 Unregistering memory a queued copy still reads or writes is undefined, so
 :meth:`HostRegistry.unregister` first waits for every copy queued so far, and holds
@@ -22,6 +24,7 @@ closes the arena (it blocks until queued copies are done); launches from any thr
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -31,19 +34,78 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MAX_REGISTER_BYTES = 64 << 30  # vLLM's MAX_HOST_REGISTER_CHUNK_BYTES
+# Each cudaHostRegister call pins at most this much: a failure costs one GiB's retry, not
+# the arena's, and large ranges hit driver limits (vLLM registers 64 GiB at most).
+MAX_REGISTER_BYTES = 1 << 30
 
 Register = Callable[[int, int], bool]
 Unregister = Callable[[int], None]
+
+_REGISTER_PARAMETERS = ("ptr", "num_bytes")  # vLLM 0.33's host_register(ptr, num_bytes)
+
+
+def check_register_signature(register: Callable[..., object]) -> str | None:
+    """None if ``register`` takes vLLM 0.33's ``host_register(ptr, num_bytes)``, else why
+    not."""
+    try:
+        params = list(inspect.signature(register).parameters.values())
+    except (TypeError, ValueError) as exc:
+        return f"its signature cannot be read ({exc})"
+    names = tuple(p.name for p in params)
+    if names[:2] != _REGISTER_PARAMETERS or any(p.default is p.empty for p in params[2:]):
+        return f"it takes ({', '.join(names)}), tierstore calls it with (ptr, num_bytes)"
+    return None
 
 
 def _vllm_helpers() -> tuple[Register, Unregister] | None:
     try:  # CUDA hosts only: imported when an arena is first registered
         from vllm.v1.kv_offload.cpu.host_register import host_register, host_unregister
     except ImportError:
-        logger.warning("this vLLM has no host_register helper; the arena is not used")
+        return None
+    why = check_register_signature(host_register)
+    if why is not None:
+        from tierstore.vllm.batch_copy import vllm_version
+
+        logger.warning(
+            "vLLM %s's host_register does not match what tierstore was written for: %s; "
+            "tierstore registers the arena through the CUDA runtime itself",
+            vllm_version(),
+            why,
+        )
         return None
     return host_register, host_unregister
+
+
+def _runtime_helpers() -> tuple[Register, Unregister] | None:
+    """``cudaHostRegister`` through cuda-bindings (a machine without vLLM)."""
+    try:
+        from cuda.bindings import runtime  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        return None
+
+    def register(ptr: int, num_bytes: int) -> bool:
+        (err,) = runtime.cudaHostRegister(ptr, num_bytes, runtime.cudaHostRegisterDefault)
+        if err != runtime.cudaError_t.cudaSuccess:
+            runtime.cudaGetLastError()  # clear it, so torch does not trip over it later
+            logger.warning("cudaHostRegister failed (%r)", err)
+            return False
+        return True
+
+    def unregister(ptr: int) -> None:
+        (err,) = runtime.cudaHostUnregister(ptr)
+        if err != runtime.cudaError_t.cudaSuccess:
+            runtime.cudaGetLastError()
+            logger.warning("cudaHostUnregister failed (%r)", err)
+
+    return register, unregister
+
+
+def default_helpers() -> tuple[Register, Unregister] | None:
+    """vLLM's registration helpers, else cuda-bindings'; None if neither is here."""
+    helpers = _vllm_helpers() or _runtime_helpers()
+    if helpers is None:
+        logger.warning("neither vLLM's host_register nor cuda-bindings is here")
+    return helpers
 
 
 class HostRegistry:
@@ -89,7 +151,7 @@ class HostRegistry:
             return True
         if nbytes == 0:
             return False
-        self._helpers = self._helpers or _vllm_helpers()
+        self._helpers = self._helpers or default_helpers()
         if self._helpers is None:
             return False
         register, unregister = self._helpers
@@ -104,8 +166,8 @@ class HostRegistry:
                     ok = False
                 if not ok:
                     logger.warning(
-                        "cudaHostRegister of the arena failed at %d of %d bytes; this "
-                        "worker keeps its pinned buffers and the object store",
+                        "cudaHostRegister of the arena failed at %d of %d bytes; "
+                        "nothing of it stays registered",
                         offset,
                         nbytes,
                     )

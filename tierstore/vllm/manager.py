@@ -7,13 +7,19 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
 - a key gets its answer within ``lookup_timeout_ms`` of its first ask, or counts as a
   MISS (``tierstore:lookup_timeouts``): a slow Evictor never holds a request up for
   longer. An answer that lands after that is dropped, and its leases given back.
-- a ``HIT`` is backed by a lease the Evictor granted this request, so the chunk stays
-  loadable until ``prepare_load``, which extends the lease until ``complete_load``. A
-  *view hit* (:meth:`TierStoreManager.answer_hits_from_picture`) is answered from the
-  cluster view (:mod:`tierstore.vllm.cluster_view`: the scheduler's local copy of which
-  chunks the cluster holds, polled from the Evictor; it also counts what this engine
-  just stored) before its lease, which is asked in the same step; if the chunk went
-  meanwhile, its load reads another copy or recomputes.
+- a ``HIT`` the Evictor answers is backed by a lease it granted this request, so the
+  chunk stays loadable until ``prepare_load``, which extends the lease until
+  ``complete_load``. A *view hit* (:meth:`TierStoreManager.answer_hits_from_picture`) is
+  answered from the cluster view (:mod:`tierstore.vllm.cluster_view`: the scheduler's
+  local copy of which chunks the cluster holds, polled from the Evictor; it also counts
+  what this engine just stored) with no round trip. One in this node's memory is not
+  asked at all: its load reads this node's arena and verifies what it reads, and a chunk
+  gone meanwhile (a lost race, or a false positive of the view's compact key table)
+  fails the load, and the request recomputes. Once loaded, such chunks are reported to
+  the Evictor (a lookup, for their recency, and a release that counts them loaded) with
+  the next step's batch, off the step that schedules the request's forward. One on
+  another node is leased by a lookup sent in the same step, as its load waits on that
+  node.
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
   methods also take it themselves, so both versions are safe.
 """
@@ -25,6 +31,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Collection, Iterable
 from typing import Any, cast
 
@@ -92,6 +99,12 @@ class TierStoreManager(OffloadingManager):
         self._job_started: dict[frozenset[ChunkKey], float] = {}  # store/load job start
         self._local_node = local_node
         self._view_hit_ranks = 0  # ranks a view hit names; 0: no view hits (see below)
+        self._view_hit_ttl_s = cfg.presence_max_age_ms / 1000
+        self._view_hits = 0  # view hits not counted in the metrics yet (one count a step)
+        # Unasked view hits loaded (to report to the Evictor): this step's, and the last
+        # step's, reported at this step's end.
+        self._loaded_now: list[ChunkKey] = []
+        self._loaded_before: list[ChunkKey] = []
         self._events = EventQueue(local_node) if events_enabled else None
         self._view = ClusterView(
             channel,
@@ -100,6 +113,7 @@ class TierStoreManager(OffloadingManager):
             self._metrics,
             self._events,
             cfg.presence_max_age_ms / 1000,
+            local_node,
         )
 
     @property
@@ -143,21 +157,45 @@ class TierStoreManager(OffloadingManager):
             now = time.monotonic()
             asked_at = state.pending.get(chunk)
             if asked_at is None:
-                if self._view.absent(chunk, now) and not self._known_stored.committing(chunk, now):
-                    self._metrics.count(metrics.LOOKUP_MISSES)  # held nowhere: no ask
-                    return LookupResult.MISS
-                state.ask(chunk, req_context, now)
-                if self._hit_from_view(state, chunk, req_context, now):
-                    return LookupResult.HIT
-            elif now - asked_at > self._lookup_timeout_s:
+                return self._first_lookup(state, chunk, req_context, now)
+            if now - asked_at > self._lookup_timeout_s:
                 # Computed as a miss; the late answer's lease is given back when it lands.
                 state.give_up(chunk, now)
                 self._metrics.count(metrics.LOOKUP_TIMEOUTS)
                 logger.debug("lookup of %s timed out; computed as a miss", chunk.hex())
                 return LookupResult.MISS
-            elif chunk not in state.in_flight:  # answered PENDING: ask again
+            if chunk not in state.in_flight:  # answered PENDING: ask again
                 state.send_later(chunk, now)
             return LookupResult.RETRY
+
+    def _first_lookup(
+        self, state: RequestState, key: ChunkKey, ctx: ReqContext, now: float
+    ) -> LookupResult:
+        """``key``'s first lookup since its last final answer: MISS if the view says no
+        node holds it, HIT if it says one holds it in memory (a view hit, asked only when
+        that node is not this one), else RETRY until the Evictor answers."""
+        lately = self._known_stored.committing(key, now)  # its commit may not be polled yet
+        held, node = self._view.locate(key, now, self._local_node, stored_here_lately=lately)
+        if not held and not lately:
+            self._metrics.count(metrics.LOOKUP_MISSES)  # held nowhere: no ask
+            return LookupResult.MISS
+        # No node when it is on disk only: asked, as the lookup starts its promotion, and
+        # the load a step later mostly finds it in memory. Loaded at once, it raced the
+        # promotion through the object store and waited longer than asking does.
+        if not self._view_hit_ranks or ctx.load_tier_filter is not TierFilter.ALL:
+            node = None
+        if node is not None and node == self._local_node:
+            where = dict.fromkeys(range(self._view_hit_ranks), node)
+            state.hit_unasked(key, ctx, where, now, self._view_hit_ttl_s)
+            self._view_hits += 1
+            return LookupResult.HIT
+        state.ask(key, ctx, now)
+        if node is None:
+            return LookupResult.RETRY
+        where = dict.fromkeys(range(self._view_hit_ranks), node)
+        state.hit_from_view(key, where, now, self._view_hit_ttl_s)
+        self._view_hits += 1
+        return LookupResult.HIT
 
     def answer_hits_from_picture(self, world_size: int) -> None:
         """Start-up, scheduler thread: :class:`~tierstore.connector.TierStoreConnector`
@@ -165,31 +203,15 @@ class TierStoreManager(OffloadingManager):
         config key ``hits_from_picture``, which turns it on). From then on, a chunk the
         fresh cluster view shows in some node's memory is a HIT at once (a view hit),
         loadable by each of the engine's ``world_size`` ranks from that copy (this
-        node's first); its lease is asked for in the same step.
-        The request is scheduled a step sooner (the Evictor's round trip lands during the
-        step's forward). A chunk gone in between is read from another copy the Evictor
-        names, or its load fails and the request recomputes: a lost hit, never wrong bytes
-        (every load is verified)."""
+        node's first). One in this node's memory is not asked (no Ray call in the step);
+        one on another node is leased by a lookup sent in the same step.
+        The request is scheduled a step sooner than when it waited for the Evictor's
+        round trip. A chunk gone in between (or never there: a false positive of the
+        view's key table) is read from another copy the Evictor names, or its load fails
+        and the request recomputes: a lost hit, never wrong bytes (every load looks its
+        key up in full and verifies what it reads)."""
         with self._lock:
             self._view_hit_ranks = world_size if self._cfg.hits_from_picture else 0
-
-    def _hit_from_view(
-        self, state: RequestState, key: ChunkKey, ctx: ReqContext, now: float
-    ) -> bool:
-        if not self._view_hit_ranks or ctx.load_tier_filter is not TierFilter.ALL:
-            return False
-        lately = self._known_stored.committing(key, now)  # its commit may not be polled yet
-        node = self._view.loadable_from(key, now, self._local_node, stored_here_lately=lately)
-        if node is None:
-            # On disk only: asked, as the lookup starts its promotion, and the load a
-            # step later mostly finds it in memory. Loaded at once, it raced the
-            # promotion through the object store and waited longer than asking does.
-            return False
-        where = dict.fromkeys(range(self._view_hit_ranks), node)
-        state.hit_from_view(key, where, now, self._cfg.presence_max_age_ms / 1000)
-        self._metrics.count(metrics.LOOKUP_HITS, tier=TierName.CPU)
-        self._metrics.count(metrics.VIEW_HITS)
-        return True
 
     def _allowed(self, answer: Answer, tier_filter: TierFilter) -> bool:
         """The request's ``kv_load_tiers``: a chunk promoted from disk counts as STORAGE,
@@ -215,7 +237,42 @@ class TierStoreManager(OffloadingManager):
                         ),
                         node=self._local_node,
                     )
+            self._count_view_hits()
+            self._report_loaded(self._loaded_before)
+            self._loaded_before, self._loaded_now = self._loaded_now, []
             self._view.maybe_poll(time.monotonic())
+
+    def _count_view_hits(self) -> None:
+        if self._view_hits:
+            self._metrics.count(metrics.LOOKUP_HITS, self._view_hits, tier=TierName.CPU)
+            self._metrics.count(metrics.VIEW_HITS, self._view_hits)
+            self._view_hits = 0
+
+    def _report_loaded(self, keys: list[ChunkKey]) -> None:
+        """Tell the Evictor that unasked view hits were loaded here: a lookup (their
+        recency, as for any hit) and a release counting them loaded, in one batch. A
+        chunk it no longer holds may be offered to a store again."""
+        if not keys:
+            return
+        holder = f"{self._id}/loaded"
+        self._channel.lookup(
+            self._namespace,
+            keys,
+            holder,
+            self._cfg.lease_ttl_s,
+            functools.partial(self._on_reported, keys),
+            node=self._local_node,
+        )
+        self._channel.release(
+            self._namespace, keys, holder, loaded=len(keys), node=self._local_node
+        )
+
+    def _on_reported(self, keys: list[ChunkKey], answers: list[LookupAnswer]) -> None:
+        """Runs on the channel's thread."""
+        with self._lock:
+            for key, (answer_state, _, _) in zip(keys, answers, strict=True):
+                if LookupState(answer_state) == LookupState.MISS:
+                    self._known_stored.forget(key)
 
     def _on_answers(
         self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer], asked_at: float
@@ -266,6 +323,7 @@ class TierStoreManager(OffloadingManager):
             state = self._state(req_context)
             ordered = _chunk_keys(keys)
             where = []
+            tiers: Counter[TierName] = Counter()
             for key in ordered:
                 answer = state.answers.get(key)
                 if answer is None or answer.state != LookupState.HIT or answer.where is None:
@@ -274,11 +332,15 @@ class TierStoreManager(OffloadingManager):
                         "which was never a HIT"
                     )
                 where.append(answer.where)
-                self._metrics.count(metrics.LOADED_CHUNKS, tier=answer.tier)
+                tiers[answer.tier] += 1
+            for tier, n in tiers.items():
+                self._metrics.count(metrics.LOADED_CHUNKS, n, tier=tier)
             self._job_started[frozenset(ordered)] = time.monotonic()
             state.loading.update(ordered)
-            # A key still asked (a view hit) gets a whole lease as its ask lands.
-            if held := [k for k in ordered if k not in state.in_flight]:
+            # A key still asked (a remote view hit) gets a whole lease as its ask lands;
+            # an unasked view hit has none.
+            not_leased = state.in_flight | state.unasked
+            if held := [k for k in ordered if k not in not_leased]:
                 ttl_s = self._cfg.lease_ttl_s
                 self._channel.extend_leases(self._namespace, held, state.holder, ttl_s)
             return LoadSpec.build(self._namespace, ordered, where)
@@ -288,13 +350,19 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._requests.get(req_context.req_id)
             holder = state.holder if state else f"{self._id}/{req_context.req_id}"
-            loaded = 0 if state is not None and state.load_failed else len(keys)
+            failed = state is not None and state.load_failed
             chunk_keys = _chunk_keys(keys)
-            self._channel.release(
-                self._namespace, chunk_keys, holder, loaded=loaded, node=self._local_node
-            )
+            unasked = state.unasked if state is not None else set()
+            if leased := [k for k in chunk_keys if k not in unasked]:
+                loaded = 0 if failed else len(leased)
+                self._channel.release(
+                    self._namespace, leased, holder, loaded=loaded, node=self._local_node
+                )
+            if not failed:  # reported with the next step's batch
+                self._loaded_now.extend(k for k in chunk_keys if k in unasked)
             self._observe_job(metrics.LOAD_LATENCY, chunk_keys)
             if state is not None:
+                state.unasked.difference_update(chunk_keys)
                 state.loading.difference_update(chunk_keys)
                 state.leased.difference_update(chunk_keys)
                 self._maybe_forget(req_context.req_id, state)
@@ -319,6 +387,8 @@ class TierStoreManager(OffloadingManager):
             if state is None:
                 return
             state.finished = True
+            self._report_loaded(self._loaded_before + self._loaded_now)
+            self._loaded_before, self._loaded_now = [], []
             idle = state.leased - state.loading
             if idle:
                 self._channel.release(self._namespace, list(idle), state.holder)
@@ -376,6 +446,7 @@ class TierStoreManager(OffloadingManager):
     @override
     def get_stats(self) -> Any:
         with self._lock:
+            self._count_view_hits()
             return self._metrics.take()
 
     @override
@@ -404,6 +475,8 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             holders = [s.holder for s in self._requests.values()]
             self._requests.clear()
+            self._report_loaded(self._loaded_before + self._loaded_now)
+            self._loaded_before, self._loaded_now = [], []
         for holder in holders:
             self._channel.release_holder(holder)
         self._channel.close()

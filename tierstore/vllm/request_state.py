@@ -42,6 +42,9 @@ class RequestState:
     leased: set[ChunkKey] = field(default_factory=set)
     # answered HIT from the cluster view (a view hit); the Evictor's answer is to come
     view_hits: set[ChunkKey] = field(default_factory=set)
+    # view hits in this node's memory, never asked: no lease, the Evictor hears of them
+    # once they are loaded
+    unasked: set[ChunkKey] = field(default_factory=set)
     loading: set[ChunkKey] = field(default_factory=set)
     # (group, end token) -> key, to name each stored chunk's parent in its chain.
     positions: dict[tuple[int, int], ChunkKey] = field(default_factory=dict)
@@ -107,6 +110,14 @@ class RequestState:
         memory on ``where`` now; the Evictor's answer, when it lands, replaces it (and
         its lease is then held)."""
         self.view_hits.add(key)
+        self.answers[key] = Answer(LookupState.HIT, where, now + ttl_s, TierName.CPU)
+
+    def hit_unasked(
+        self, key: ChunkKey, ctx: ReqContext, where: dict[int, NodeId], now: float, ttl_s: float
+    ) -> None:
+        """A view hit in this node's memory: a HIT with no ask (so no lease) at all."""
+        self.remember_position(key, ctx)
+        self.unasked.add(key)
         self.answers[key] = Answer(LookupState.HIT, where, now + ttl_s, TierName.CPU)
 
     def take_view_hit(self, key: ChunkKey) -> bool:

@@ -26,7 +26,6 @@ the marker is never adopted: it may be the user's.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import getpass
 import json
@@ -45,8 +44,8 @@ from tierstore.data.tiers.slab import payload_size_of
 from tierstore.errors import ConfigError, TierStoreError
 from tierstore.private_files import (
     PRIVATE_DIR_MODE,
-    UnsafePathError,
     check_private,
+    open_nofollow,
     open_private,
     private_dir,
 )
@@ -318,15 +317,9 @@ def _real(path: Path, kind: int) -> bool:
 
 
 def open_file(path: Path) -> int:
-    """A file in tierstore's folder, read-only, never through a symlink (tools)."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise UnsafePathError(
-                f"{path} is a symlink; tierstore does not read through it"
-            ) from exc
-        raise
+    """A file in tierstore's folder, read-only, never through a symlink (tools): see
+    :func:`~tierstore.private_files.open_nofollow`."""
+    return open_nofollow(path, os.O_RDONLY)
 
 
 # ---- room ------------------------------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""The three ways the CUDA copier issues a job's copies, fed by the same descriptor table.
+
+A job's copies reach the driver as one pointer table: int64 rows ``(src, dst, size)``
+(:func:`tierstore.data.copy_plan.fill_descriptors`). Three executors run such a table
+on a stream, chosen once per worker by :func:`select_executor`, best first:
+
+1. :class:`VllmBatchCopy`: vLLM's ``ops.swap_blocks_batch`` (its own CUDA build), one
+   driver call per job (``cuMemcpyBatchAsync`` on CUDA 12.8+), as vLLM's own
+   ``kv_offload/cpu/gpu_worker.py`` does. Its signature is checked first
+   (:func:`check_swap_signature`): a vLLM whose function changed is not called, the
+   next executor is used, and the log names the vLLM version.
+2. :class:`DriverBatchCopy`: the same driver call through NVIDIA's ``cuda-bindings``
+   (``cuda.bindings.driver.cuMemcpyBatchAsync``), for a machine without vLLM.
+3. :class:`RunCopy`: one ``cudaMemcpyAsync`` per run, through torch (``Tensor.copy_``
+   with ``non_blocking``): slower for jobs of many runs (Python per run), but needs
+   nothing beyond torch, and the only one that also runs on the CPU (tests).
+
+Every executor is checked by a probe copy before it is chosen
+(:func:`select_executor`), so a driver or binding that refuses the call is found at
+start, not at the first job.
+
+Thread: any; each call enqueues on the stream it is given and returns (no wait).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# What vLLM 0.33's ``vllm._custom_ops.swap_blocks_batch`` takes, in order.
+SWAP_PARAMETERS = ("src_ptrs", "dst_ptrs", "sizes", "is_src_access_order_any")
+# The oldest driver with ``cuMemcpyBatchAsync`` (CUDA 12.8), as cuDriverGetVersion says.
+BATCH_DRIVER_VERSION = 12080
+_PROBE_BYTES = 4096  # the probe copy at selection: one page each way
+
+EXECUTOR_NAMES = ("vllm", "driver", "runs")
+
+
+class BatchCopy(ABC):
+    """Runs a descriptor table's copies on a stream. ``table`` is an int64 CPU tensor of
+    shape ``(3, >= n)``: rows src, dst, size; ``host`` is the host memory its host-side
+    pointers fall in (only :class:`RunCopy` reads it)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def launch(
+        self, table: torch.Tensor, n: int, stream: Any, src_any: bool, host: np.ndarray
+    ) -> None:
+        """Enqueue the ``n`` copies on ``stream`` (the caller made it current and
+        ordered it after its inputs); ``src_any``: the source is host memory no stream
+        writes, so the DMA engine may read it ahead of stream order."""
+
+
+class VllmBatchCopy(BatchCopy):
+    """vLLM's ``swap_blocks_batch`` (CUDA build only)."""
+
+    name = "vllm"
+
+    def __init__(self, swap: Callable[..., None]) -> None:
+        self._swap = swap
+
+    def launch(
+        self, table: torch.Tensor, n: int, stream: Any, src_any: bool, host: np.ndarray
+    ) -> None:
+        self._swap(table[0, :n], table[1, :n], table[2, :n], src_any)
+
+
+class DriverBatchCopy(BatchCopy):
+    """``cuMemcpyBatchAsync`` through ``cuda-bindings`` (driver 12.8+)."""
+
+    name = "driver"
+
+    def __init__(self, driver: Any) -> None:
+        self._driver = driver
+        order = driver.CUmemcpySrcAccessOrder
+        self._attrs = {}
+        for src_any, value in (
+            (False, order.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM),
+            (True, order.CU_MEMCPY_SRC_ACCESS_ORDER_ANY),
+        ):
+            attr = driver.CUmemcpyAttributes()
+            attr.srcAccessOrder = value
+            self._attrs[src_any] = attr
+
+    def launch(
+        self, table: torch.Tensor, n: int, stream: Any, src_any: bool, host: np.ndarray
+    ) -> None:
+        d = self._driver
+        rows = table[:, :n].tolist()
+        dsts = [d.CUdeviceptr(p) for p in rows[1]]
+        srcs = [d.CUdeviceptr(p) for p in rows[0]]
+        result = d.cuMemcpyBatchAsync(
+            dsts, srcs, rows[2], n, [self._attrs[src_any]], [0], 1, d.CUstream(stream.cuda_stream)
+        )
+        err = result[0] if isinstance(result, tuple) else result
+        if err != d.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyBatchAsync of {n} copies failed: {err!r}")
+
+
+class RunCopy(BatchCopy):
+    """One async copy per run through torch: each pointer is resolved to a byte view of
+    the KV tensor's storage it falls in, or of ``host``."""
+
+    name = "runs"
+
+    def __init__(self, kv: Sequence[torch.Tensor]) -> None:
+        spans = {}
+        for t in kv:
+            storage = t.untyped_storage()
+            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            spans[storage.data_ptr()] = flat
+        self._bases = np.array(sorted(spans), dtype=np.int64)
+        self._flats = [spans[b] for b in self._bases.tolist()]
+
+    def _kv_view(self, address: int, size: int) -> torch.Tensor:
+        i = int(np.searchsorted(self._bases, address, side="right")) - 1
+        flat = self._flats[i] if i >= 0 else None
+        start = address - int(self._bases[i])
+        if flat is None or start + size > flat.numel():
+            raise ValueError(f"copy of {size} bytes at {address:#x} is in no KV tensor")
+        return flat[start : start + size]
+
+    def launch(
+        self, table: torch.Tensor, n: int, stream: Any, src_any: bool, host: np.ndarray
+    ) -> None:
+        host_t = torch.from_numpy(host.reshape(-1).view(np.uint8))
+        lo, hi = int(host.ctypes.data), int(host.ctypes.data) + host.nbytes
+        for src, dst, size in zip(*table[:, :n].tolist(), strict=True):
+            if lo <= dst and dst + size <= hi:  # device -> host
+                host_t[dst - lo : dst - lo + size].copy_(self._kv_view(src, size), True)
+            elif lo <= src and src + size <= hi:  # host -> device
+                self._kv_view(dst, size).copy_(host_t[src - lo : src - lo + size], True)
+            else:
+                raise ValueError(f"copy {src:#x} -> {dst:#x} has no side in the host buffer")
+
+
+def check_swap_signature(swap: Callable[..., Any]) -> str | None:
+    """None if ``swap`` takes vLLM 0.33's ``swap_blocks_batch`` arguments in order (a
+    fifth one only with a default), else why not."""
+    try:
+        params = list(inspect.signature(swap).parameters.values())
+    except (TypeError, ValueError) as exc:
+        return f"its signature cannot be read ({exc})"
+    names = tuple(p.name for p in params[: len(SWAP_PARAMETERS)])
+    extra = [p.name for p in params[len(SWAP_PARAMETERS) :] if p.default is p.empty]
+    if names != SWAP_PARAMETERS or extra:
+        got = ", ".join(p.name for p in params)
+        return f"it takes ({got}), tierstore calls it with ({', '.join(SWAP_PARAMETERS)})"
+    return None
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except ImportError:
+        return "absent"
+
+
+def _cuda_op_present() -> bool:
+    """Whether vLLM's compiled ``swap_blocks_batch`` op is loaded (its CUDA build)."""
+    try:
+        torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _vllm_executor() -> BatchCopy | None:
+    try:  # this also loads vLLM's compiled ops, where it has them
+        from vllm import _custom_ops as ops
+    except ImportError as exc:
+        logger.info("vLLM is not here (%s)", exc)
+        return None
+    swap = getattr(ops, "swap_blocks_batch", None)
+    if swap is None or not _cuda_op_present():
+        logger.info("this vLLM has no swap_blocks_batch op (not its CUDA build)")
+        return None
+    why = check_swap_signature(swap)
+    if why is not None:
+        logger.warning(
+            "vLLM %s's swap_blocks_batch does not match what tierstore was written for: "
+            "%s; tierstore copies through cuda-bindings instead",
+            vllm_version(),
+            why,
+        )
+        return None
+    return VllmBatchCopy(swap)
+
+
+def _driver_executor() -> BatchCopy | None:
+    try:
+        from cuda.bindings import driver  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as exc:
+        logger.info("cuda-bindings is not here (%s)", exc)
+        return None
+    if not hasattr(driver, "cuMemcpyBatchAsync"):
+        logger.info("this cuda-bindings has no cuMemcpyBatchAsync")
+        return None
+    err, version = driver.cuDriverGetVersion()
+    if err != driver.CUresult.CUDA_SUCCESS or version < BATCH_DRIVER_VERSION:
+        logger.info("driver %s has no batched copies (needs CUDA 12.8+)", version)
+        return None
+    return DriverBatchCopy(driver)
+
+
+_FACTORIES: dict[str, Callable[[Sequence[torch.Tensor]], BatchCopy | None]] = {
+    "vllm": lambda kv: _vllm_executor(),
+    "driver": lambda kv: _driver_executor(),
+    "runs": RunCopy,
+}
+
+
+def make_executor(name: str, kv: Sequence[torch.Tensor]) -> BatchCopy | None:
+    """The executor ``name`` (one of :data:`EXECUTOR_NAMES`) for these KV tensors, or
+    None where it is not available here."""
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown copy executor {name!r}; choose one of {EXECUTOR_NAMES}")
+    return _FACTORIES[name](kv)
+
+
+def select_executor(kv: Sequence[torch.Tensor], names: Sequence[str] = EXECUTOR_NAMES) -> BatchCopy:
+    """Start-up: the first executor of ``names`` that is available and passes
+    :func:`probe` on these KV tensors' device; :class:`RunCopy` if none does."""
+    for name in names:
+        executor = make_executor(name, kv)
+        if executor is None:
+            continue
+        why = probe(executor, kv[0].device) if kv else None
+        if why is None:
+            logger.info("tierstore copies with the %r executor", executor.name)
+            return executor
+        logger.warning("the %r copy executor failed its probe copy (%s)", name, why)
+    return RunCopy(kv)
+
+
+def probe(executor: BatchCopy, device: torch.device) -> str | None:
+    """Copy a page of known bytes device -> host -> device through ``executor``; None
+    if both arrive intact, else what went wrong. Start-up only (allocates and waits)."""
+    if device.type != "cuda":
+        return None  # the CPU tests exercise RunCopy directly
+    try:
+        with torch.cuda.device(device):
+            pattern = torch.arange(_PROBE_BYTES, dtype=torch.int64, device=device) % 251
+            src = pattern.to(torch.uint8)
+            back = torch.zeros_like(src)
+            host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True).numpy()
+            stream = torch.cuda.Stream(device)
+            table = torch.empty((3, 1), dtype=torch.int64)
+            with torch.cuda.stream(stream):
+                table[:, 0] = torch.tensor([src.data_ptr(), host.ctypes.data, _PROBE_BYTES])
+                executor.launch(table, 1, stream, False, host)
+                stream.synchronize()
+                table[:, 0] = torch.tensor([host.ctypes.data, back.data_ptr(), _PROBE_BYTES])
+                executor.launch(table, 1, stream, True, host)
+                stream.synchronize()
+            if not torch.equal(back, src):
+                return "the bytes did not come back intact"
+    except Exception as exc:  # a refused call, a bad binding: the next executor
+        logger.debug("probe copy raised", exc_info=True)
+        return repr(exc)
+    return None
