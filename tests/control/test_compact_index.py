@@ -1,7 +1,8 @@
 """The compact index makes ChunkIndex's decisions: a differential property test.
 
-``ChunkIndex`` is the reference model. Under random sequences of stores (room, demotions,
-drops, write-through, watermarks, a store's last-resort demotion), lookups (leases,
+``ChunkIndex`` is the reference model. Under random sequences of stores, shard by shard
+and by unit (room, demotions, drops, write-through, watermarks, a store's last-resort
+demotion), lookups (leases,
 promotions, PENDING restored copies), releases, promotions reported done, failed or
 refused, corruption, disk write failures, restores and lost nodes, both indexes must
 return the same answers and actions (each node's lists in the same order) and end every
@@ -27,6 +28,7 @@ from tierstore.control import compact_index
 from tierstore.control.compact_index import CompactChunkIndex, make_index
 from tierstore.control.index import ChunkIndex, NodeActions, ShardOffer, Watermarks
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.wire import units_of
 
 pytestmark = pytest.mark.skipif(
     not compact_index.available(), reason="the compact index's C extension is not built"
@@ -117,6 +119,11 @@ def play(pair: Pair, load: Workload, ops: list[tuple[str, int, int, int]], disk_
             for rank, node in wide if a >= WIDE else [(0, NODES[b % 3])]:
                 if node in pair.ref.nodes():
                     pair.call("admit", node, load.offers(ns, a, c, rank), now)
+        elif op == "store_units":  # a TP group's NodeStore: every rank of a boundary at once
+            ranks = (0, 1) if a >= WIDE else (0,)
+            offers = [o for rank in ranks for o in load.offers(ns, a, c, rank)]
+            if NODES[b % 3] in pair.ref.nodes():
+                pair.call("admit_units", NODES[b % 3], units_of(offers), now)
         elif op == "lookup":
             _, actions = pair.call("lookup", ns, keys, holder, now, float(c))  # type: ignore[misc]
             for node, node_actions in actions.items():
@@ -157,7 +164,9 @@ def play(pair: Pair, load: Workload, ops: list[tuple[str, int, int, int]], disk_
 
 
 boundaries = st.one_of(st.integers(0, 15), st.integers(WIDE, WIDE + 7))
-store = st.tuples(st.just("store"), boundaries, st.integers(0, 5), st.integers(5, 40))
+store = st.tuples(
+    st.sampled_from(["store", "store_units"]), boundaries, st.integers(0, 5), st.integers(5, 40)
+)
 lookup = st.tuples(st.just("lookup"), boundaries, st.integers(0, 5), st.sampled_from([5, 100]))
 promoted = st.tuples(st.just("promoted"), st.integers(0, 2), st.integers(0, 2), st.just(0))
 ops = st.lists(
@@ -209,7 +218,8 @@ def test_compact_index_decides_as_the_reference(ops, groups, key_len, disk_bytes
 
 
 OP_WEIGHTS = {  # a long random workload: pressure, hits on disk, promotions reported
-    "store": 8,
+    "store": 5,
+    "store_units": 3,
     "lookup": 6,
     "promoted": 3,
     "release": 2,

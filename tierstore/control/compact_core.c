@@ -238,7 +238,7 @@ static void compact(Core *c, Heap *hp, uint32_t node, int tier) {
     for (size_t i = kept / ARITY + 1; i-- > 0;) if (i < kept) heap_sift_down(hp, i);
     hp->compact_at = 2 * kept > COMPACT_MIN ? 2 * kept : COMPACT_MIN;
 }
-static void push(Core *c, uint32_t u, uint32_t node, int tier) {
+INTERNAL void push(Core *c, uint32_t u, uint32_t node, int tier) {
     Unit *un = &c->units[u];
     if (!(un->flags & U_ALIVE) || (un->flags & U_DYING) || node >= c->nnodes) return;
     Heap *hp = &c->nodes[node].heap[tier];
@@ -500,7 +500,9 @@ static void remove_child_wait(Core *c, uint32_t child, uint32_t w) {
     c->waits[w].cnext = c->wait_free; c->wait_free = w;
 }
 
-INTERNAL void gain(Core *c, uint32_t u, Shard *s, int tier) {
+/* ``s`` gets a copy in ``tier``: accounted, and (``queue``) a candidate there; a caller
+ * adding a unit's shards together pushes the unit once instead. */
+INTERNAL void gain_q(Core *c, uint32_t u, Shard *s, int tier, int queue) {
     if (has_tier(s, tier)) return;
     s->flags |= tier == CPU ? S_CPU : S_DISK;
     if (tier == DISK) s->flags &= ~S_UNVERIFIED;
@@ -508,8 +510,9 @@ INTERNAL void gain(Core *c, uint32_t u, Shard *s, int tier) {
     if (tier == CPU && ++c->units[u].cpu_copies == 1)
         for (uint32_t e = c->units[u].parents; e != NIL; e = c->edges[e].cnext)
             c->units[c->edges[e].parent].cpu_children++;
-    push(c, u, s->node, tier);
+    if (queue) push(c, u, s->node, tier);
 }
+INTERNAL void gain(Core *c, uint32_t u, Shard *s, int tier) { gain_q(c, u, s, tier, 1); }
 INTERNAL void lose(Core *c, uint32_t u, Shard *s, int tier) {
     if (!has_tier(s, tier)) return;
     s->flags &= ~(tier == CPU ? S_CPU : S_DISK);
@@ -638,7 +641,8 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
 
 /* The shard offered as ``o`` held on ``node`` in ``tier``: a new shard of chunk ``ci``
  * (NIL: a new chunk, made here). Returns its unit; its chunk in ``chunk_out``. */
-INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o, int tier, uint32_t *chunk_out) {
+INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o, int tier, int queue,
+                            uint32_t *chunk_out) {
     uint32_t u;
     if (ci == NIL) {
         ci = new_chunk(c, o->ns, o->key, o->len, o->hash, (uint32_t)o->world);
@@ -650,7 +654,7 @@ INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o,
     Shard *s = SHARD(c, ch, o->rank);
     *s = (Shard){o->nbytes, node, S_HELD};
     ch->present++;
-    gain(c, u, s, tier);
+    gain_q(c, u, s, tier, queue);
     if (c->chunks[ci].present == c->chunks[ci].world) c->counts[C_STORED]++;
     *chunk_out = ci;
     return u;

@@ -154,57 +154,107 @@ static PyObject *Core_register_node(Core *c, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* An offer's chunk if it is new (valid, rank not held, not earlier in the group):
+ * ``*fresh`` set; the chunk (or NIL) in ``*existing``. */
+static int new_offer(Core *c, Offer *of, Py_ssize_t i, uint32_t *existing) {
+    Offer *o = &of[i];
+    *existing = NIL;
+    for (Py_ssize_t j = 0; j < i; j++)
+        if (of[j].rank == o->rank && of[j].len == o->len && !memcmp(of[j].key, o->key, o->len)) return 0;
+    if (!o->valid) return 0;
+    *existing = find_chunk(c, o->ns, o->key, o->len, o->hash);
+    return *existing == NIL || (o->rank < c->chunks[*existing].world &&
+                                !(SHARD(c, &c->chunks[*existing], o->rank)->flags & S_HELD));
+}
+
+/* One admission decision (ChunkIndex._admit_unit): which of the ``n`` offers ``of`` (a
+ * unit's shards, or one shard) ``node`` keeps. Room is made once for the new ones, CPU
+ * then disk (write-through); they are all kept or all refused. */
+static void admit_group(Core *c, uint32_t node, Offer *of, Py_ssize_t n, const Prot *p, double now,
+                        uint32_t *existing, char *keep) {
+    c->counts[C_ADMITTED_UNITS]++;
+    uint64_t nbytes = 0;
+    long fresh = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        keep[i] = (char)new_offer(c, of, i, &existing[i]);
+        if (keep[i]) { nbytes += of[i].nbytes; fresh++; }
+    }
+    if (!fresh) return;
+    const Offer *first = &of[0];
+    uint32_t own = find_unit(c, first->ns, first->key, boundary_len(first->len), first->uhash);
+    if (!make_cpu_room(c, node, nbytes, p, now) && !demote_for_store(c, node, nbytes, own, p, now)) {
+        c->counts[C_SKIPPED] += fresh;
+        memset(keep, 0, (size_t)n);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* the chunks found still stand: their units are protected */
+        if (!keep[i]) continue;
+        uint32_t ci = existing[i] != NIL ? existing[i] : find_chunk(c, of[i].ns, of[i].key, of[i].len, of[i].hash);
+        add_shard(c, ci, node, &of[i], CPU, 0, &existing[i]);
+    }
+    own = find_unit(c, first->ns, first->key, boundary_len(first->len), first->uhash);
+    if (own != NIL) push(c, own, node, CPU); /* once for the unit, not per shard */
+    if (!make_disk_room(c, node, nbytes, p, now)) return;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!keep[i]) continue;
+        uint32_t ci = existing[i];
+        gain_q(c, c->chunks[ci].unit, SHARD(c, &c->chunks[ci], of[i].rank), DISK, 0);
+        emit(c, A_PERSIST, node, ci, (uint32_t)of[i].rank);
+    }
+    if (own != NIL) push(c, own, node, DISK);
+}
+
+/* admit(node, offers, sizes, now): ``sizes`` None, one decision per offer (admit); else
+ * one per run of ``sizes[k]`` offers (admit_units). Returns (accepted per offer, actions,
+ * invalid offers). */
 static PyObject *Core_admit(Core *c, PyObject *args) {
-    PyObject *name, *offers; double now;
-    if (!PyArg_ParseTuple(args, "OO!d", &name, &PyList_Type, &offers, &now)) return NULL;
+    PyObject *name, *offers, *sizes; double now;
+    if (!PyArg_ParseTuple(args, "OO!Od", &name, &PyList_Type, &offers, &sizes, &now)) return NULL;
     long node = node_of(c, name, 0);
     if (node < 0 || !c->nodes[node].registered) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name); return NULL; }
+    if (sizes != Py_None && !PyList_Check(sizes)) { PyErr_SetString(PyExc_TypeError, "sizes: a list or None"); return NULL; }
     Py_ssize_t n = PyList_GET_SIZE(offers);
     Offer *of = PyMem_RawMalloc((n + 1) * sizeof(Offer));
     uint64_t *hs = PyMem_RawMalloc((2 * n + 1) * sizeof(uint64_t));
+    uint32_t *existing = PyMem_RawMalloc((n + 1) * sizeof(uint32_t));
+    char *keep = PyMem_RawMalloc(n + 1);
     PyObject *accepted = PyList_New(n);
-    if (!of || !hs || !accepted || !begin(c)) goto fail;
+    if (!of || !hs || !existing || !keep || !accepted || !begin(c)) goto fail;
+    c->counts[C_ADMIT_CALLS]++;
     size_t nh = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (parse_offer(c, PyList_GET_ITEM(offers, i), &of[i]) < 0) goto fail;
-        hs[nh++] = of[i].uhash;
-        if (of[i].parent) hs[nh++] = of[i].phash;
-    }
-    Prot p = protect(c, hs, nh);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        want_protected(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].uhash);
-        if (of[i].parent) want_protected(c, of[i].ns, of[i].parent, boundary_len(of[i].plen), of[i].phash);
-    }
     long invalid = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Offer *o = &of[i];
-        PyObject *verdict = Py_False;
-        uint32_t existing = o->valid ? find_chunk(c, o->ns, o->key, o->len, o->hash) : NIL;
-        if (!o->valid) invalid++;
-        else if (existing != NIL && (o->rank >= c->chunks[existing].world ||
-                                     (SHARD(c, &c->chunks[existing], o->rank)->flags & S_HELD))) {
-        } else if (!make_cpu_room(c, node, o->nbytes, &p, now) &&
-                   !demote_for_store(c, node, o->nbytes,
-                                     find_unit(c, o->ns, o->key, boundary_len(o->len), o->uhash), &p, now)) {
-            c->counts[C_SKIPPED]++;
-        } else {
-            uint32_t ci;
-            /* ``existing`` still stands: its unit is protected from every walk above */
-            uint32_t u = add_shard(c, existing, node, o, CPU, &ci);
-            verdict = Py_True;
-            if (make_disk_room(c, node, o->nbytes, &p, now)) {
-                gain(c, u, SHARD(c, &c->chunks[ci], o->rank), DISK);
-                emit(c, A_PERSIST, node, ci, (uint32_t)o->rank);
-            }
+        if (parse_offer(c, PyList_GET_ITEM(offers, i), &of[i]) < 0) goto fail;
+        invalid += !of[i].valid;
+        hs[nh++] = of[i].uhash;
+        want_protected(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].uhash);
+        if (of[i].parent) {
+            hs[nh++] = of[i].phash;
+            want_protected(c, of[i].ns, of[i].parent, boundary_len(of[i].plen), of[i].phash);
         }
+    }
+    Prot p = protect(c, hs, nh);
+    Py_ssize_t groups = sizes == Py_None ? n : PyList_GET_SIZE(sizes), at = 0;
+    for (Py_ssize_t g = 0; g < groups; g++) {
+        Py_ssize_t size = sizes == Py_None ? 1 : PyLong_AsSsize_t(PyList_GET_ITEM(sizes, g));
+        if (size < 0 || at + size > n) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "sizes do not add up to the offers");
+            goto fail;
+        }
+        admit_group(c, (uint32_t)node, of + at, size, &p, now, existing + at, keep + at);
+        at += size;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *verdict = i < at && keep[i] ? Py_True : Py_False;
         Py_INCREF(verdict);
         PyList_SET_ITEM(accepted, i, verdict);
     }
     demote_to_watermark(c, node, &p, now);
-    PyMem_RawFree(of); PyMem_RawFree(hs);
+    PyMem_RawFree(of); PyMem_RawFree(hs); PyMem_RawFree(existing); PyMem_RawFree(keep);
     return Py_BuildValue("(NNl)", accepted, finish(c), invalid);
 fail:
-    PyMem_RawFree(of); PyMem_RawFree(hs); Py_XDECREF(accepted); abort_call(c);
+    PyMem_RawFree(of); PyMem_RawFree(hs); PyMem_RawFree(existing); PyMem_RawFree(keep);
+    Py_XDECREF(accepted); abort_call(c);
     return NULL;
 }
 
@@ -430,7 +480,7 @@ static int restore_one(Core *c, uint32_t node, const Offer *o, int tier, uint32_
         uint32_t existing = find_chunk(c, o->ns, o->key, o->len, o->hash);
         if (existing != NIL && o->rank >= c->chunks[existing].world) { emit_offer(c, A_DROP, node, o); return 0; }
         uint32_t nci;
-        add_shard(c, existing, node, o, tier, &nci);
+        add_shard(c, existing, node, o, tier, 1, &nci);
         if (tier == DISK) SHARD(c, &c->chunks[nci], o->rank)->flags |= S_UNVERIFIED;
         if (grace > 0) lease(c, nci, grace_holder, now, now + grace);
         return 1;

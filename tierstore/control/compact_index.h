@@ -54,7 +54,7 @@
 
 enum {
     C_STORED, C_HITS, C_MISSES, C_EVICTED, C_DEMOTED, C_PROMOTED, C_DISK_HITS,
-    C_REFUSED, C_SKIPPED, N_COUNTS
+    C_REFUSED, C_SKIPPED, C_ADMIT_CALLS, C_ADMITTED_UNITS, N_COUNTS
 };
 enum { A_DROP, A_DEMOTE, A_PROMOTE, A_PERSIST, N_ACTION_KINDS };
 
@@ -169,7 +169,10 @@ static inline void prefetch_slot(const Table *t, uint64_t h) {
     __builtin_prefetch(&t->tags[h & t->mask]);
 }
 
-INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o, int tier, uint32_t *chunk_out);
+INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o, int tier, int queue,
+                            uint32_t *chunk_out);
+INTERNAL void gain_q(Core *c, uint32_t u, Shard *s, int tier, int queue);
+INTERNAL void push(Core *c, uint32_t u, uint32_t node, int tier);
 INTERNAL int demote_for_store(Core *c, uint32_t node, uint64_t nbytes, uint32_t own, const Prot *p, double now);
 INTERNAL void demote_to_watermark(Core *c, uint32_t node, const Prot *p, double now);
 INTERNAL void drop_unit(Core *c, uint32_t u);

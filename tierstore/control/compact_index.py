@@ -17,10 +17,10 @@ from flat arrays in a C extension (``compact_index.c``, built as
 
 ``ChunkIndex`` is its reference model: ``tests/control/test_compact_index.py`` runs
 random workloads on both and requires the same answers, actions (in order), stats and
-state. What is ported: the LRU policy, nodes, stores (room by demotion, dropping tails,
-a store's last-resort demotion, write-through, watermarks), lookups with leases and
-promotion, promotions reported, disk write failures, restore, forget_shards and
-corruption, forget_node. Not ported: the ARC policy and replicas of hot chunks
+state. What is ported: the LRU policy, nodes, stores shard by shard and by unit (room
+by demotion, dropping tails, a store's last-resort demotion, write-through, watermarks),
+lookups with leases and promotion, promotions reported, disk write failures, restore,
+forget_shards and corruption, forget_node. Not ported: the ARC policy and replicas of hot chunks
 (``replicate_after_loads`` > 0): the constructor refuses them, and :func:`make_index`
 then builds the reference index instead.
 
@@ -35,6 +35,7 @@ dict is new per answer.
 from __future__ import annotations
 
 import logging
+from itertools import islice
 
 from tierstore.control.index import (
     Actions,
@@ -46,7 +47,9 @@ from tierstore.control.index import (
     LookupState,
     NodeActions,
     ShardOffer,
+    UnitAdmitResult,
     UnitId,
+    UnitOffer,
     Watermarks,
 )
 from tierstore.errors import UnknownNodeError
@@ -71,6 +74,8 @@ _CORE_COUNTS = (
     "disk_hits",
     "refused_promotions",
     "skipped_stores",
+    "admit_calls",
+    "admitted_units",
 )
 
 
@@ -187,11 +192,24 @@ class CompactChunkIndex:
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
         """As :meth:`ChunkIndex.admit`."""
         self._known(node)
-        accepted, raw, invalid = self._core.admit(node, list(offers), float(now))
+        accepted, raw, invalid = self._core.admit(node, list(offers), None, float(now))
         self._sync()
         if invalid:
             logger.warning("refused %d shard(s) whose rank is outside their world", invalid)
         return AdmitResult(accepted, self._actions(raw))
+
+    def admit_units(self, node: NodeId, units: list[UnitOffer], now: float) -> UnitAdmitResult:
+        """As :meth:`ChunkIndex.admit_units`: one decision per unit offer."""
+        self._known(node)
+        sizes = [len(unit.shards) for unit in units]
+        offers = [offer for unit in units for offer in unit.shards]
+        flat, raw, invalid = self._core.admit(node, offers, sizes, float(now))
+        self._sync()
+        if invalid:
+            logger.warning("refused %d shard(s) whose rank is outside their world", invalid)
+        flags = iter(flat)
+        accepted = [list(islice(flags, size)) for size in sizes]
+        return UnitAdmitResult(accepted, self._actions(raw))
 
     # ---- lookups, leases and promotion -----------------------------------------------
     def lookup(
