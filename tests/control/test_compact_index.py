@@ -4,13 +4,16 @@
 and by unit (room, demotions, drops, write-through, watermarks, a store's last-resort
 demotion), lookups (leases,
 promotions, PENDING restored copies), releases, promotions reported done, failed or
-refused, corruption, disk write failures, restores and lost nodes, both indexes must
-return the same answers and actions (each node's lists in the same order) and end every
-step in the same state: stats, byte accounts, the unit tree, every node's copies.
+refused, corruption, disk write failures, restores, lost nodes and replicas of hot
+chunks (loads recorded with ``replicate_after_loads`` 0, 1 and 2, replica shards landed
+or failed, lookups served by a replica, ``locate``, a lost holder's chunk adopted by its
+replica), both indexes must return the same answers and actions (each node's lists in
+the same order) and end every step in the same state: stats, byte accounts, the unit
+tree, every node's copies and complete replicas.
 
-The covered subset is what the compact index ports: the LRU policy, no replicas. The
-one order allowed to differ is ``forget_node``'s drops, which the reference takes from
-a set: those are compared as multisets.
+The covered subset is what the compact index ports: the LRU policy. The one order
+allowed to differ is ``forget_node``'s drops, which the reference takes from a set:
+those are compared as multisets.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from tierstore.control import compact_index
 from tierstore.control.compact_index import CompactChunkIndex, make_index
-from tierstore.control.index import ChunkIndex, NodeActions, ShardOffer, Watermarks
+from tierstore.control.index import ChunkIndex, LookupState, NodeActions, ShardOffer, Watermarks
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.wire import units_of
 
@@ -39,6 +43,11 @@ NODES = [NodeId("n0"), NodeId("n1"), NodeId("n2")]
 CHAIN = 4  # boundary b's parent is b - 1 unless b starts a chain
 WIDE = 100  # boundaries from here on are chunks of two ranks, on two nodes
 CPU_BYTES = 200
+
+
+def cpu_bytes(node: NodeId) -> int:
+    """n2's CPU tier is larger: room for replicas below its low watermark."""
+    return 3 * CPU_BYTES if node == NODES[2] else CPU_BYTES
 
 
 def key(boundary: int, group: int, length: int) -> ChunkKey:
@@ -71,6 +80,7 @@ def _multiset(actions: dict[NodeId, NodeActions]) -> dict[NodeId, Counter[tuple[
             + [("demote", s) for s in a.demote]
             + [("promote", s) for s in a.promote]
             + [("persist", s) for s in a.persist]
+            + [("push", s) for s in a.push]
         )
         for node, a in actions.items()
     }
@@ -79,11 +89,11 @@ def _multiset(actions: dict[NodeId, NodeActions]) -> dict[NodeId, Counter[tuple[
 class Pair:
     """Runs every call on both indexes and checks that they agree."""
 
-    def __init__(self, disk_bytes: int, marks: Watermarks) -> None:
-        self.compact = CompactChunkIndex("lru", marks)
-        self.ref = ChunkIndex("lru", marks)
+    def __init__(self, disk_bytes: int, marks: Watermarks, replicate: int = 0) -> None:
+        self.compact = CompactChunkIndex("lru", marks, replicate)
+        self.ref = ChunkIndex("lru", marks, replicate)
         for node in NODES:
-            self.call("register_node", node, CPU_BYTES, disk_bytes)
+            self.call("register_node", node, cpu_bytes(node), disk_bytes)
 
     def call(self, method: str, *args: object) -> object:
         want = getattr(self.ref, method)(*args)
@@ -101,6 +111,7 @@ class Pair:
         assert len(self.compact) == len(self.ref)
         for node in NODES:
             assert self.compact.shards_on(node) == self.ref.shards_on(node)
+            assert self.compact.replicas_on(node) == self.ref.replicas_on(node)
         for cid in probe:
             assert (cid in self.compact) == (cid in self.ref)
 
@@ -109,6 +120,8 @@ def play(pair: Pair, load: Workload, ops: list[tuple[str, int, int, int]], disk_
     """Run ``ops`` on both indexes, checking answers, actions and state at each step."""
     now = 0.0
     promoting: dict[NodeId, list[ShardId]] = {n: [] for n in NODES}
+    pushed: dict[NodeId, list[tuple[ShardId, NodeId]]] = {n: [] for n in NODES}  # (shard, from)
+    last_hits: tuple[Namespace, list[ChunkKey]] = (NAMESPACES[0], [])
     probe: list[tuple[Namespace, ChunkKey]] = []
     for op, a, b, c in ops:
         ns = NAMESPACES[b // 3 % 2] if op not in ("release_holder", "forget_node") else None
@@ -124,10 +137,29 @@ def play(pair: Pair, load: Workload, ops: list[tuple[str, int, int, int]], disk_
             offers = [o for rank in ranks for o in load.offers(ns, a, c, rank)]
             if NODES[b % 3] in pair.ref.nodes():
                 pair.call("admit_units", NODES[b % 3], units_of(offers), now)
-        elif op == "lookup":
-            _, actions = pair.call("lookup", ns, keys, holder, now, float(c))  # type: ignore[misc]
+        elif op == "lookup":  # b >= 3: an engine on node b%3 asks (a replica there serves)
+            asking = NODES[b % 3] if b >= 3 else None
+            answers, actions = pair.call("lookup", ns, keys, holder, now, float(c), asking)  # type: ignore[misc]
+            hit = [k for k, ans in zip(keys, answers, strict=True) if ans.state is LookupState.HIT]
+            last_hits = (ns, hit) if hit else last_hits
             for node, node_actions in actions.items():
                 promoting[node] += [s for s in node_actions.promote if s not in promoting[node]]
+        elif op == "loads":  # node b%3 loaded the last lookup's HITs
+            actions = pair.call("record_loads", *last_hits, NODES[b % 3])
+            for source, node_actions in actions.items():  # type: ignore[attr-defined]
+                for shard_id, target in node_actions.push:
+                    pushed[target].append((shard_id, source))
+        elif op == "replicated":  # every node's pushes: all landed (a=0), failed (1), or half
+            for node in NODES:
+                arrived, pushed[node] = pushed[node], []
+                cut = {0: len(arrived), 1: 0, 2: len(arrived) // 2}[a]
+                shards = [shard_id for shard_id, _ in arrived]
+                pair.call("replicated", node, shards[:cut], shards[cut:])
+                for shard_id, source in arrived[:cut]:  # a load from the holder failed
+                    pair.call("locate", shard_id.namespace, [shard_id.key], shard_id.rank, source)
+                if arrived[:cut] and b >= 3:  # an engine on the replica's node asks
+                    sid = arrived[0][0]
+                    pair.call("lookup", sid.namespace, [sid.key], "reader", now, 5.0, node)
         elif op == "release":
             pair.call("release", ns, keys, holder)
         elif op == "release_holder":
@@ -143,9 +175,14 @@ def play(pair: Pair, load: Workload, ops: list[tuple[str, int, int, int]], disk_
             method = "forget_shards" if c == 0 else "report_corrupt_after_hit"
             pair.call(method, [ShardId(ns, k, 0) for k in keys])
         elif op == "forget_node":
+            before = pair.ref.stats.replicated_chunks and len(pair.ref)
             pair.call("forget_node", NODES[b % 3])
-            pair.call("register_node", NODES[b % 3], CPU_BYTES, disk_bytes)
+            replicas_left = any(pair.ref.replicas_on(n) for n in NODES)
+            if before and replicas_left and currently_in_test_context():
+                event("forget_node beside replicas")
+            pair.call("register_node", NODES[b % 3], cpu_bytes(NODES[b % 3]), disk_bytes)
             promoting[NODES[b % 3]] = []
+            pushed[NODES[b % 3]] = []
         elif op == "restore":
             tier = TierName.DISK if disk_bytes and c % 2 else TierName.CPU
             held = [(o, tier) for o in load.offers(ns, a, c, 0)]
@@ -169,6 +206,8 @@ store = st.tuples(
 )
 lookup = st.tuples(st.just("lookup"), boundaries, st.integers(0, 5), st.sampled_from([5, 100]))
 promoted = st.tuples(st.just("promoted"), st.integers(0, 2), st.integers(0, 2), st.just(0))
+loads = st.tuples(st.just("loads"), boundaries, st.integers(0, 5), st.just(0))
+replicated = st.tuples(st.just("replicated"), st.integers(0, 2), st.integers(0, 2), st.just(0))
 ops = st.lists(
     st.one_of(
         store,  # stores weigh four times the rest: the point is pressure
@@ -183,6 +222,11 @@ ops = st.lists(
         # a: every promotion under way on node b is done (0), failed (1) or refused (2)
         promoted,
         promoted,
+        loads,  # replicas: loads recorded, and the pushes they start reported
+        loads,
+        loads,
+        replicated,
+        replicated,
         # before a hit (forget_shards, c=0) or after (report_corrupt_after_hit, c=1)
         st.tuples(st.just("corrupt"), boundaries, st.integers(0, 5), st.integers(0, 1)),
         st.tuples(st.just("forget_node"), st.just(0), st.integers(0, 2), st.just(0)),
@@ -208,9 +252,12 @@ ops = st.lists(
     key_len=st.sampled_from([12, 36, 68]),
     disk_bytes=st.sampled_from([0, 300, 1000]),
     marks=st.sampled_from([Watermarks(0.9, 0.7), Watermarks()]),
+    replicate=st.sampled_from([0, 1, 2]),
 )
-def test_compact_index_decides_as_the_reference(ops, groups, key_len, disk_bytes, marks) -> None:  # type: ignore[no-untyped-def]
-    pair = Pair(disk_bytes, marks)
+def test_compact_index_decides_as_the_reference(  # type: ignore[no-untyped-def]
+    ops, groups, key_len, disk_bytes, marks, replicate
+) -> None:
+    pair = Pair(disk_bytes, marks, replicate)
     play(pair, Workload(groups, key_len), ops, disk_bytes)
     for name, n in vars(pair.ref.stats).items():  # what the workload reached
         if n:
@@ -231,6 +278,8 @@ OP_WEIGHTS = {  # a long random workload: pressure, hits on disk, promotions rep
     "disk_writes": 0.5,
     "probe": 1,
     "tick": 2,
+    "loads": 3,
+    "replicated": 2,
 }
 
 
@@ -240,18 +289,19 @@ def test_long_random_workloads_decide_as_the_reference(seed: int) -> None:
     parked units, promotions reported late, nodes lost and back."""
     rng = random.Random(seed)
     disk_bytes = [0, 300, 1000][seed % 3]
-    pair = Pair(disk_bytes, [Watermarks(0.9, 0.7), Watermarks()][seed % 2])
+    pair = Pair(disk_bytes, [Watermarks(0.9, 0.7), Watermarks()][seed % 2], seed % 3)
     names = list(OP_WEIGHTS)
     ops = []
     for _ in range(2_000):
         op = rng.choices(names, [OP_WEIGHTS[n] for n in names])[0]
         a = rng.choice([rng.randrange(16), WIDE + rng.randrange(8)])
-        if op in ("promoted", "tick"):
-            a = rng.randrange(3) if op == "promoted" else rng.randrange(1, 20)
+        if op in ("promoted", "replicated", "tick"):
+            a = rng.randrange(1, 20) if op == "tick" else rng.randrange(3)
         c = rng.randrange(4) if op in ("corrupt", "disk_writes", "probe") else rng.randrange(5, 45)
         ops.append((op, a, rng.randrange(6), c))
     play(pair, Workload(1 + seed % 2, [12, 36, 68][seed % 3]), ops, disk_bytes)
     assert pair.ref.stats.hits and pair.ref.stats.evicted_chunks
+    assert pair.ref.stats.replicated_chunks or not seed % 3  # replicas made and used
 
 
 def test_long_prompt_chains_evict_the_same_tails_at_depth() -> None:
@@ -297,7 +347,7 @@ def test_holders_of_finished_requests_are_forgotten() -> None:
 def test_unsupported_settings_fall_back_to_the_reference() -> None:
     assert isinstance(make_index(), CompactChunkIndex)
     assert type(make_index("arc")) is ChunkIndex
-    assert type(make_index(replicate_after_loads=2)) is ChunkIndex
+    assert isinstance(make_index(replicate_after_loads=2), CompactChunkIndex)
     with pytest.raises(ValueError, match="lru"):
         CompactChunkIndex("arc")
 
@@ -318,3 +368,23 @@ def test_compact_index_has_chunk_index_public_api() -> None:
     compact = public(CompactChunkIndex)
     assert {n: reference[n] for n in reference} == {n: compact.get(n) for n in reference}
     assert hasattr(CompactChunkIndex(), "stats")
+
+
+def test_a_lost_holders_chunks_live_on_in_their_first_complete_replica() -> None:
+    """A chunk replicated on two nodes outlives its holder: the first replica made is
+    adopted (held, written through), the other stays a replica, and lookups still HIT."""
+    pair = Pair(disk_bytes=1000, marks=Watermarks(), replicate=1)
+    load = Workload(groups=1, key_len=36)
+    ns = NAMESPACES[0]
+    pair.call("admit", NODES[0], load.offers(ns, 1, 10, 0), 0.0)
+    keys = load.keys(1)
+    for reader in (NODES[2], NODES[1]):  # n2's replica is made first
+        actions = pair.call("record_loads", ns, keys, reader)
+        pushed = [sid for sid, _ in actions[NODES[0]].push]  # type: ignore[index]
+        assert len(pushed) == len(keys)
+        pair.call("replicated", reader, pushed, [])
+    pair.call("forget_node", NODES[0])
+    pair.same_state([(ns, k) for k in keys])
+    answers, _ = pair.call("lookup", ns, keys, "h", 1.0, 5.0)  # type: ignore[misc]
+    assert [a.where for a in answers] == [{0: NODES[2]}] * len(keys)
+    assert pair.ref.replicas_on(NODES[1]) == {(ns, k) for k in keys}

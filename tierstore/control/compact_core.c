@@ -375,19 +375,32 @@ INTERNAL PyObject *shard_id(Core *c, uint32_t ns, const uint8_t *key, size_t len
     Py_DECREF(items);
     return r;
 }
-INTERNAL void emit(Core *c, int kind, uint32_t node, uint32_t ci, uint32_t rank) {
+/* ``node``'s action list of ``kind`` in the running call (made on first use). */
+INTERNAL PyObject *action_list(Core *c, int kind, uint32_t node) {
     PyObject *name = PyList_GET_ITEM(c->node_list, node);
     PyObject *lists = PyDict_GetItemWithError(c->actions, name);
     if (!lists) {
         fatal_if(PyErr_Occurred() != NULL);
-        lists = Py_BuildValue("([][][][])");
+        lists = Py_BuildValue("([][][][][])");
         fatal_if(!lists || PyDict_SetItem(c->actions, name, lists) < 0);
         Py_DECREF(lists);
     }
+    return PyTuple_GET_ITEM(lists, kind);
+}
+INTERNAL void emit(Core *c, int kind, uint32_t node, uint32_t ci, uint32_t rank) {
     Chunk *ch = &c->chunks[ci];
     PyObject *sid = shard_id(c, ch->ns, chunk_key(c, ch), ch->keylen, rank);
-    fatal_if(!sid || PyList_Append(PyTuple_GET_ITEM(lists, kind), sid) < 0);
+    fatal_if(!sid || PyList_Append(action_list(c, kind, node), sid) < 0);
     Py_DECREF(sid);
+}
+/* ``from`` sends its shard (``ci``, ``rank``) to ``to``'s replica. */
+INTERNAL void emit_push(Core *c, uint32_t from, uint32_t ci, uint32_t rank, uint32_t to) {
+    Chunk *ch = &c->chunks[ci];
+    PyObject *sid = shard_id(c, ch->ns, chunk_key(c, ch), ch->keylen, rank);
+    PyObject *pair = sid ? PyTuple_Pack(2, sid, PyList_GET_ITEM(c->node_list, to)) : NULL;
+    Py_XDECREF(sid);
+    fatal_if(!pair || PyList_Append(action_list(c, A_PUSH, from), pair) < 0);
+    Py_DECREF(pair);
 }
 
 /* ---- protection -------------------------------------------------------------------- */
@@ -552,6 +565,7 @@ INTERNAL void drop_unit(Core *c, uint32_t u) {
         add_wait(c, child, uh); /* re-linked if this boundary comes back */
     }
     for (uint32_t ci = c->units[u].chunks; ci != NIL; ci = c->chunks[ci].next) {
+        while (c->chunks[ci].replicas != NIL) drop_replica(c, c->chunks[ci].replicas); /* made first, dropped first */
         tab_remove(c, &c->ctab, T_CHUNK, chunk_hash(c, ci), ci);
         free_leases(c, ci);
         for (uint32_t r = 0; r < c->chunks[ci].world; r++) {
@@ -621,7 +635,7 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
     uint32_t ci = POOL_NEW(c, chunks, nchunks, capchunks, c->chunk_free, Chunk, next);
     Chunk *ch = &c->chunks[ci];
     memset(ch, 0, sizeof *ch);
-    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL;
+    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL; ch->replicas = NIL;
     ch->keylen = (uint8_t)len; ch->alive = 1;
     ch->keyref = key_store(c, key, len);
     uint32_t base;
@@ -660,8 +674,151 @@ INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o,
     return u;
 }
 
+/* ---- replicas (index_replicas.py) ------------------------------------------------- */
+/* ``node``'s replica of chunk ``ci``, else NIL. */
+INTERNAL uint32_t replica_on(Core *c, uint32_t ci, uint32_t node) {
+    for (uint32_t r = c->chunks[ci].replicas; r != NIL; r = c->replicas[r].cnext)
+        if (c->replicas[r].node == node) return r;
+    return NIL;
+}
+INTERNAL int replica_ready(Core *c, uint32_t r) {
+    return c->replicas[r].landed == c->chunks[c->replicas[r].chunk].world;
+}
+/* ``node`` holds a shard of chunk ``ci``, or a replica of it (complete or not). */
+INTERNAL int holds(Core *c, uint32_t ci, uint32_t node) {
+    if (replica_on(c, ci, node) != NIL) return 1;
+    Chunk *ch = &c->chunks[ci];
+    for (uint32_t k = 0; k < ch->world; k++) {
+        Shard *s = SHARD(c, ch, k);
+        if ((s->flags & S_HELD) && s->node == node) return 1;
+    }
+    return 0;
+}
+static void lru_unlink(Core *c, uint32_t r) {
+    Replica *rp = &c->replicas[r];
+    Node *n = &c->nodes[rp->node];
+    if (rp->lprev != NIL) c->replicas[rp->lprev].lnext = rp->lnext; else n->rhead = rp->lnext;
+    if (rp->lnext != NIL) c->replicas[rp->lnext].lprev = rp->lprev; else n->rtail = rp->lprev;
+}
+static void lru_append(Core *c, uint32_t r) {
+    Replica *rp = &c->replicas[r];
+    Node *n = &c->nodes[rp->node];
+    rp->lnext = NIL; rp->lprev = n->rtail;
+    if (n->rtail != NIL) c->replicas[n->rtail].lnext = r; else n->rhead = r;
+    n->rtail = r;
+}
+/* Replica ``r`` out of its chunk's list, its node's list and its pool. */
+static void free_replica(Core *c, uint32_t r) {
+    uint32_t *link = &c->chunks[c->replicas[r].chunk].replicas;
+    while (*link != r) link = &c->replicas[*link].cnext;
+    *link = c->replicas[r].cnext;
+    lru_unlink(c, r);
+    c->replicas[r].cnext = c->replica_free; c->replica_free = r;
+}
+/* A replica HIT: its node's most recently used. */
+INTERNAL void touch_replica(Core *c, uint32_t r) { lru_unlink(c, r); lru_append(c, r); }
+/* Make ``node``'s replica of complete chunk ``ci`` (not held there): room reserved below
+ * the low watermark, each holder asked to push its shard. 0: not made (a promotion under
+ * way, or no room; a replica never evicts anything). */
+INTERNAL int start_replica(Core *c, uint32_t ci, uint32_t node) {
+    Chunk *ch = &c->chunks[ci];
+    uint64_t nbytes = 0;
+    for (uint32_t k = 0; k < ch->world; k++) {
+        Shard *s = SHARD(c, ch, k);
+        if (!(s->flags & S_HELD)) continue;
+        if (s->flags & S_PROMOTING) return 0; /* asked again on a later load */
+        nbytes += s->nbytes;
+    }
+    Node *n = &c->nodes[node];
+    if ((double)(n->used[CPU] + (int64_t)nbytes) > c->low * (double)n->cap[CPU]) return 0;
+    uint32_t r = POOL_NEW(c, replicas, nreplicas, capreplicas, c->replica_free, Replica, cnext);
+    c->replicas[r] = (Replica){ci, node, 0, NIL, NIL, NIL};
+    uint32_t *link = &c->chunks[ci].replicas;
+    while (*link != NIL) link = &c->replicas[*link].cnext;
+    *link = r;
+    lru_append(c, r);
+    ch = &c->chunks[ci];
+    for (uint32_t k = 0; k < ch->world; k++) {
+        Shard *s = SHARD(c, ch, k);
+        if (!(s->flags & S_HELD)) continue;
+        account(c, node, CPU, s->nbytes, +1);
+        emit_push(c, s->node, ci, k, node);
+    }
+    return 1;
+}
+/* Drop replica ``r``: its room freed, its node told to drop what landed. */
+INTERNAL void drop_replica(Core *c, uint32_t r) {
+    uint32_t ci = c->replicas[r].chunk, node = c->replicas[r].node;
+    free_replica(c, r);
+    Chunk *ch = &c->chunks[ci];
+    for (uint32_t k = 0; k < ch->world; k++) {
+        Shard *s = SHARD(c, ch, k);
+        if (!(s->flags & S_HELD)) continue;
+        account(c, node, CPU, s->nbytes, -1);
+        emit(c, A_DROP, node, ci, k);
+    }
+}
+/* ``node`` left: its replicas are forgotten (nothing to drop there, no room to free). */
+INTERNAL void forget_replicas_on(Core *c, uint32_t node) {
+    while (c->nodes[node].rhead != NIL) free_replica(c, c->nodes[node].rhead);
+}
+typedef struct Done Done;
+static int is_done(Core *c, const Done *d);
+/* Drop ``node``'s replicas, least recently used first, until ``d``; those being copied or
+ * leased stay. */
+static int evict_replicas(Core *c, uint32_t node, const Done *d, double now) {
+    for (uint32_t r = c->nodes[node].rhead; r != NIL;) {
+        if (is_done(c, d)) return 1;
+        uint32_t next = c->replicas[r].lnext;
+        if (replica_ready(c, r) && !is_leased(c, c->replicas[r].chunk, now)) drop_replica(c, r);
+        r = next;
+    }
+    return is_done(c, d);
+}
+/* Every rank of chunk ``ci`` (of unit ``u``) is now held by its replica ``r``: in memory,
+ * written through to disk where there is room; the other copies are dropped. */
+static void adopt_replica(Core *c, uint32_t u, uint32_t ci, uint32_t r) {
+    uint32_t target = c->replicas[r].node;
+    free_replica(c, r);
+    Chunk *ch = &c->chunks[ci];
+    for (uint32_t k = 0; k < ch->world; k++) {
+        Shard *s = SHARD(c, ch, k);
+        if (!(s->flags & S_HELD)) continue;
+        lose(c, u, s, DISK); /* disk first, as the reference */
+        lose(c, u, s, CPU);
+        if (s->node < c->nnodes && c->nodes[s->node].registered && s->node != target) emit(c, A_DROP, s->node, ci, k);
+        account(c, target, CPU, s->nbytes, -1); /* the replica's share... */
+        *s = (Shard){s->nbytes, target, S_HELD};
+        gain(c, u, s, CPU); /* ...is now the chunk's own */
+        if (fits(c, target, DISK, s->nbytes)) {
+            gain(c, u, s, DISK);
+            emit(c, A_PERSIST, target, ci, k);
+        }
+    }
+}
+/* Keep unit ``u`` if each of its chunks held on ``lost`` has a complete replica elsewhere
+ * (the first made): it becomes the chunk's own copy. 0: the unit must go. */
+INTERNAL int rescue(Core *c, uint32_t u, uint32_t lost) {
+    for (int apply = 0; apply < 2; apply++) {
+        for (uint32_t ci = c->units[u].chunks; ci != NIL; ci = c->chunks[ci].next) {
+            Chunk *ch = &c->chunks[ci];
+            int on_lost = 0;
+            for (uint32_t k = 0; k < ch->world; k++) {
+                Shard *s = SHARD(c, ch, k);
+                if ((s->flags & S_HELD) && s->node == lost) on_lost = 1;
+            }
+            if (!on_lost) continue;
+            uint32_t r = ch->replicas;
+            while (r != NIL && !replica_ready(c, r)) r = c->replicas[r].cnext;
+            if (r == NIL) return 0; /* only in the first pass: the plan is checked whole */
+            if (apply) adopt_replica(c, u, ci, r);
+        }
+    }
+    return 1;
+}
+
 /* ---- making room ------------------------------------------------------------------ */
-typedef struct { int watermark; uint32_t node; int tier; uint64_t nbytes; double target; } Done;
+struct Done { int watermark; uint32_t node; int tier; uint64_t nbytes; double target; };
 static int is_done(Core *c, const Done *d) {
     Node *n = &c->nodes[d->node];
     if (d->watermark) return (double)n->used[CPU] <= d->target;
@@ -768,6 +925,8 @@ INTERNAL int make_disk_room(Core *c, uint32_t node, uint64_t nbytes, const Prot 
 }
 INTERNAL int make_cpu_room(Core *c, uint32_t node, uint64_t nbytes, const Prot *p, double now) {
     if (fits(c, node, CPU, nbytes)) return 1;
+    Done d = {0, node, CPU, nbytes, 0.0};
+    if (evict_replicas(c, node, &d, now)) return 1; /* replicas go first */
     return make_room(c, node, CPU, nbytes, p, now, F_CPU, p);
 }
 /* A store's last resort: demote even protected units (never the offer's own unit). */
@@ -781,6 +940,7 @@ INTERNAL void demote_to_watermark(Core *c, uint32_t node, const Prot *p, double 
     if (n->cap[DISK] == 0) return;
     if ((double)n->used[CPU] <= c->high * (double)n->cap[CPU]) return;
     Done d = {1, node, CPU, 0, c->low * (double)n->cap[CPU]};
+    if (evict_replicas(c, node, &d, now)) return;
     walk(c, node, CPU, p, now, &d, F_DEMOTE, p);
 }
 

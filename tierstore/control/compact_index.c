@@ -63,6 +63,7 @@ static long node_of(Core *c, PyObject *name, int create) {
         size_t cap = c->nnodes;
         c->nodes = grow(c->nodes, &cap, (size_t)n + 1, sizeof(Node));
         memset(c->nodes + c->nnodes, 0, (cap - c->nnodes) * sizeof(Node));
+        for (size_t i = c->nnodes; i < cap; i++) c->nodes[i].rhead = c->nodes[i].rtail = NIL;
         c->nnodes = cap;
     }
     return n;
@@ -288,12 +289,31 @@ static PyObject *answer(Core *c, uint32_t u, uint32_t ci, const Prot *p, double 
     return r;
 }
 
+/* A HIT from ``node``'s complete replica of chunk ``ci``: every rank there. */
+static PyObject *replica_answer(Core *c, uint32_t ci, uint32_t node) {
+    c->counts[C_HITS]++;
+    PyObject *where = PyDict_New();
+    for (uint32_t r = 0; where && r < c->chunks[ci].world; r++) {
+        PyObject *rank = PyLong_FromUnsignedLong(r);
+        if (!rank || PyDict_SetItem(where, rank, PyList_GET_ITEM(c->node_list, node)) < 0) Py_CLEAR(where);
+        Py_XDECREF(rank);
+    }
+    PyObject *items = where ? PyTuple_Pack(3, c->hit, where, Py_None) : NULL;
+    Py_XDECREF(where);
+    if (!items) return NULL;
+    PyObject *a = make_tuple_of(c->answer_t, items);
+    Py_DECREF(items);
+    return a;
+}
+
+/* lookup(namespace, keys, holder, now, ttl, node): node None, or the asking engine's. */
 static PyObject *Core_lookup(Core *c, PyObject *args) {
-    PyObject *ns_obj, *keys, *holder; double now, ttl;
-    if (!PyArg_ParseTuple(args, "OO!Odd", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl)) return NULL;
+    PyObject *ns_obj, *keys, *holder, *node_obj; double now, ttl;
+    if (!PyArg_ParseTuple(args, "OO!OddO", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl, &node_obj)) return NULL;
     long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
     long hid = holder_of(c, holder, 1);
-    if (ns < 0 || hid < 0) return NULL;
+    long asking = node_obj == Py_None ? -1 : node_of(c, node_obj, 0);
+    if (ns < 0 || hid < 0 || PyErr_Occurred()) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     uint64_t *hs = PyMem_RawMalloc((2 * n + 1) * sizeof(uint64_t)); /* boundaries', then keys' */
     PyObject *answers = PyList_New(n);
@@ -320,7 +340,13 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
             uint32_t u = c->chunks[ci].unit;
             lease(c, ci, (uint32_t)hid, now, now + ttl);
             c->units[u].rank = c->clock++; /* touched: the LRU's newest */
-            a = answer(c, u, ci, &p, now);
+            uint32_t r = asking >= 0 ? replica_on(c, ci, (uint32_t)asking) : NIL;
+            if (r != NIL && replica_ready(c, r)) {
+                touch_replica(c, r);
+                a = replica_answer(c, ci, (uint32_t)asking);
+            } else {
+                a = answer(c, u, ci, &p, now);
+            }
             if (!a) goto fail;
         }
         PyList_SET_ITEM(answers, i, a);
@@ -449,16 +475,8 @@ static PyObject *Core_disk_writes(Core *c, PyObject *args) {
 }
 
 static void emit_offer(Core *c, int kind, uint32_t node, const Offer *o) {
-    PyObject *name = PyList_GET_ITEM(c->node_list, node);
-    PyObject *lists = PyDict_GetItemWithError(c->actions, name);
-    if (!lists) {
-        fatal_if(PyErr_Occurred() != NULL);
-        lists = Py_BuildValue("([][][][])");
-        fatal_if(!lists || PyDict_SetItem(c->actions, name, lists) < 0);
-        Py_DECREF(lists);
-    }
     PyObject *sid = shard_id(c, o->ns, o->key, o->len, (uint32_t)o->rank);
-    fatal_if(!sid || PyList_Append(PyTuple_GET_ITEM(lists, kind), sid) < 0);
+    fatal_if(!sid || PyList_Append(action_list(c, kind, node), sid) < 0);
     Py_DECREF(sid);
 }
 
@@ -522,21 +540,53 @@ fail:
     return NULL;
 }
 
+/* UnitId order (namespace, then boundary bytes), as ChunkIndex.forget_node's sorted(). */
+static Core *sort_core; /* qsort has no context argument; calls hold the GIL */
+static int unit_order(const void *a, const void *b) {
+    Core *c = sort_core;
+    uint32_t ua = *(const uint32_t *)a, ub = *(const uint32_t *)b;
+    uint32_t na = unit_ns(c, ua), nb = unit_ns(c, ub);
+    if (na != nb) {
+        int cmp = PyUnicode_Compare(PyList_GET_ITEM(c->ns_list, na), PyList_GET_ITEM(c->ns_list, nb));
+        fatal_if(cmp == -1 && PyErr_Occurred() != NULL);
+        if (cmp) return cmp;
+    }
+    Chunk *ca = &c->chunks[c->units[ua].chunks], *cb = &c->chunks[c->units[ub].chunks];
+    size_t la = boundary_len(ca->keylen), lb = boundary_len(cb->keylen);
+    int cmp = memcmp(chunk_key(c, ca), chunk_key(c, cb), la < lb ? la : lb);
+    return cmp ? cmp : (la > lb) - (la < lb);
+}
+
+/* A node left: its replicas go; each unit it held is rescued by replicas elsewhere (in
+ * UnitId order) or dropped everywhere. */
 static PyObject *Core_forget_node(Core *c, PyObject *name) {
     long node = node_of(c, name, 0);
     if (PyErr_Occurred() || !begin(c)) return NULL;
     if (node < 0) return finish(c);
     for (int t = CPU; t <= DISK; t++) c->nodes[node].heap[t].n = 0;
+    forget_replicas_on(c, (uint32_t)node);
+    uint32_t *held = NULL;
+    size_t nheld = 0, capheld = 0;
     for (size_t u = 0; u < c->nunits; u++) {
         if (!(c->units[u].flags & U_ALIVE)) continue;
-        for (uint32_t ci = c->units[u].chunks; ci != NIL; ci = c->chunks[ci].next)
+        int here = 0;
+        for (uint32_t ci = c->units[u].chunks; !here && ci != NIL; ci = c->chunks[ci].next)
             for (uint32_t r = 0; r < c->chunks[ci].world; r++) {
                 Shard *s = SHARD(c, &c->chunks[ci], r);
-                if ((s->flags & S_HELD) && s->node == (uint32_t)node) c->units[u].flags |= U_DYING;
+                if ((s->flags & S_HELD) && s->node == (uint32_t)node) here = 1;
             }
+        if (!here) continue;
+        held = grow(held, &capheld, nheld + 1, sizeof(uint32_t));
+        held[nheld++] = (uint32_t)u;
     }
-    for (size_t u = 0; u < c->nunits; u++)
-        if (c->units[u].flags & U_DYING) drop_unit(c, (uint32_t)u);
+    sort_core = c;
+    if (nheld) qsort(held, nheld, sizeof(uint32_t), unit_order);
+    size_t ndying = 0;
+    for (size_t i = 0; i < nheld; i++)
+        if (!rescue(c, held[i], (uint32_t)node)) held[ndying++] = held[i];
+    for (size_t i = 0; i < ndying; i++) c->units[held[i]].flags |= U_DYING; /* not queued as they go */
+    for (size_t i = 0; i < ndying; i++) drop_unit(c, held[i]);
+    PyMem_RawFree(held);
     Node *nd = &c->nodes[node];
     nd->registered = 0;
     memset(nd->used, 0, sizeof nd->used); memset(nd->shards, 0, sizeof nd->shards);
@@ -579,6 +629,18 @@ static PyObject *Core_shards_on(Core *c, PyObject *name) {
             }
         }
     }
+    for (uint32_t rp = c->nodes[node].rhead; rp != NIL; rp = c->replicas[rp].lnext) { /* complete replicas */
+        if (!replica_ready(c, rp)) continue;
+        Chunk *ch = &c->chunks[c->replicas[rp].chunk];
+        for (uint32_t r = 0; r < ch->world; r++) {
+            if (!(SHARD(c, ch, r)->flags & S_HELD)) continue;
+            PyObject *sid = shard_id(c, ch->ns, chunk_key(c, ch), ch->keylen, r);
+            PyObject *pair = sid ? PyTuple_Pack(2, sid, c->tier_obj[CPU]) : NULL;
+            Py_XDECREF(sid);
+            if (!pair || PyList_Append(out, pair) < 0) { Py_XDECREF(pair); Py_DECREF(out); return NULL; }
+            Py_DECREF(pair);
+        }
+    }
     return out;
 }
 
@@ -613,6 +675,8 @@ static PyObject *Core_units(Core *c, PyObject *unused) {
     return out;
 }
 
+/* Per key, a node other than ``avoid`` holding ``rank``'s shard: its holder if that is
+ * another node (and not promoting it), else the first complete replica elsewhere. */
 static PyObject *Core_locate(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *avoid; long long rank;
     if (!PyArg_ParseTuple(args, "OO!LO", &ns_obj, &PyList_Type, &keys, &rank, &avoid)) return NULL;
@@ -623,14 +687,95 @@ static PyObject *Core_locate(Core *c, PyObject *args) {
     for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) { Py_DECREF(out); return NULL; }
-        uint32_t ci = held_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns), rank);
-        PyObject *found = Py_None;
-        if (ci != NIL) {
+        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+        long found = -1;
+        if (ci != NIL && rank >= 0 && rank < (long long)c->chunks[ci].world) {
             Shard *s = SHARD(c, &c->chunks[ci], rank);
-            if ((long)s->node != av && !(s->flags & S_PROMOTING)) found = PyList_GET_ITEM(c->node_list, s->node);
+            if ((s->flags & S_HELD) && (long)s->node != av && !(s->flags & S_PROMOTING)) found = (long)s->node;
+            for (uint32_t r = c->chunks[ci].replicas; found < 0 && r != NIL; r = c->replicas[r].cnext)
+                if ((long)c->replicas[r].node != av && replica_ready(c, r)) found = (long)c->replicas[r].node;
         }
-        Py_INCREF(found);
-        PyList_SET_ITEM(out, i, found);
+        PyObject *o = found >= 0 ? PyList_GET_ITEM(c->node_list, found) : Py_None;
+        Py_INCREF(o);
+        PyList_SET_ITEM(out, i, o);
+    }
+    return out;
+}
+
+/* The chunk a key argument names (``nsk``: (namespace, key)), else NIL. */
+static uint32_t chunk_of(Core *c, PyObject *ns_obj, PyObject *key_obj) {
+    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    const uint8_t *key; size_t len;
+    if (ns < 0 || as_bytes(key_obj, &key, &len) < 0) return NIL;
+    return find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+}
+
+/* replica_candidates(namespace, keys, node): per key, whether a load of it by ``node``
+ * counts towards a replica (its chunk complete, held nowhere on ``node``). */
+static PyObject *Core_replica_candidates(Core *c, PyObject *args) {
+    PyObject *ns_obj, *keys, *name;
+    if (!PyArg_ParseTuple(args, "OO!O", &ns_obj, &PyList_Type, &keys, &name)) return NULL;
+    long node = node_of(c, name, 0);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out = PyList_New(PyList_GET_SIZE(keys));
+    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
+        uint32_t ci = chunk_of(c, ns_obj, PyList_GET_ITEM(keys, i));
+        if (PyErr_Occurred()) { Py_DECREF(out); return NULL; }
+        int ok = node >= 0 && ci != NIL && c->chunks[ci].present == c->chunks[ci].world && !holds(c, ci, (uint32_t)node);
+        PyObject *v = ok ? Py_True : Py_False;
+        Py_INCREF(v);
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* start_replica(namespace, key, node): (made, actions), for a registered ``node`` and a
+ * key replica_candidates accepted in the same call of CompactChunkIndex.record_loads. */
+static PyObject *Core_start_replica(Core *c, PyObject *args) {
+    PyObject *ns_obj, *key_obj, *name;
+    if (!PyArg_ParseTuple(args, "OOO", &ns_obj, &key_obj, &name)) return NULL;
+    long node = node_of(c, name, 0);
+    uint32_t ci = chunk_of(c, ns_obj, key_obj);
+    if (PyErr_Occurred() || !begin(c)) return NULL;
+    int made = node >= 0 && c->nodes[node].registered && ci != NIL &&
+               c->chunks[ci].present == c->chunks[ci].world && !holds(c, ci, (uint32_t)node) &&
+               start_replica(c, ci, (uint32_t)node);
+    return Py_BuildValue("(ON)", made ? Py_True : Py_False, finish(c));
+}
+
+/* replicated(node, done, failed): ``node``'s replica shards landed, or could not. */
+static PyObject *Core_replicated(Core *c, PyObject *args) {
+    PyObject *name, *done, *failed;
+    if (!PyArg_ParseTuple(args, "OO!O!", &name, &PyList_Type, &done, &PyList_Type, &failed)) return NULL;
+    long node = node_of(c, name, 1);
+    if (node < 0 || !begin(c)) return NULL;
+    for (int pass = 0; pass < 2; pass++) {
+        PyObject *ids = pass ? failed : done;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
+            PyObject *o = PyList_GET_ITEM(ids, i);
+            if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 3) { PyErr_SetString(PyExc_TypeError, "not a ShardId"); abort_call(c); return NULL; }
+            uint32_t ci = chunk_of(c, PyTuple_GET_ITEM(o, 0), PyTuple_GET_ITEM(o, 1));
+            if (PyErr_Occurred()) { abort_call(c); return NULL; }
+            uint32_t r = ci != NIL ? replica_on(c, ci, (uint32_t)node) : NIL;
+            if (pass && r != NIL) drop_replica(c, r);
+            else if (!pass && r == NIL) fatal_if(PyList_Append(action_list(c, A_DROP, (uint32_t)node), o) < 0); /* gone meanwhile */
+            else if (!pass && ++c->replicas[r].landed == c->chunks[ci].world) c->counts[C_REPLICATED]++;
+        }
+    }
+    return finish(c);
+}
+
+/* replicas_on(node): [(namespace, key)] of its complete replicas. */
+static PyObject *Core_replicas_on(Core *c, PyObject *name) {
+    long node = node_of(c, name, 0);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *out = PyList_New(0);
+    for (uint32_t r = node >= 0 && out ? c->nodes[node].rhead : NIL; r != NIL; r = c->replicas[r].lnext) {
+        if (!replica_ready(c, r)) continue;
+        Chunk *ch = &c->chunks[c->replicas[r].chunk];
+        PyObject *pair = Py_BuildValue("(Oy#)", PyList_GET_ITEM(c->ns_list, ch->ns), chunk_key(c, ch), (Py_ssize_t)ch->keylen);
+        if (!pair || PyList_Append(out, pair) < 0) { Py_XDECREF(pair); Py_DECREF(out); return NULL; }
+        Py_DECREF(pair);
     }
     return out;
 }
@@ -657,6 +802,7 @@ static PyObject *Core_drain_counts(Core *c, PyObject *unused) {
 static PyObject *Core_memory_bytes(Core *c, PyObject *unused) {
     size_t b = c->capchunks * sizeof(Chunk) + c->capshards * sizeof(Shard) + c->capunits * sizeof(Unit)
              + c->capedges * sizeof(Edge) + c->capwaits * sizeof(Wait) + c->capleases * sizeof(Lease)
+             + c->capreplicas * sizeof(Replica)
              + c->capwk * sizeof(Wakeup) + c->pcap * sizeof(uint64_t);
     for (int i = 0; i < 256; i++) b += c->keys[i].cap * key_slot((size_t)i);
     Table *ts[3] = {&c->ctab, &c->utab, &c->otab};
@@ -677,14 +823,14 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     c->node_ids = PyDict_New(); c->node_list = PyList_New(0);
     c->holder_ids = PyDict_New(); c->holder_list = PyList_New(0);
     if (!c->ns_ids || !c->ns_list || !c->node_ids || !c->node_list || !c->holder_ids || !c->holder_list) return -1;
-    c->chunk_free = c->unit_free = c->edge_free = c->wait_free = c->lease_free = NIL;
+    c->chunk_free = c->unit_free = c->edge_free = c->wait_free = c->lease_free = c->replica_free = NIL;
     for (int i = 0; i <= MAX_POOLED_WORLD; i++) c->shard_free[i] = NIL;
     for (int i = 0; i < 256; i++) c->keys[i].free = NIL;
     return 0;
 }
 static void Core_dealloc(Core *c) {
     for (int i = 0; i < 256; i++) PyMem_RawFree(c->keys[i].a);
-    void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->wk, c->pset,
+    void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->replicas, c->wk, c->pset,
                       c->plist, c->pkeys, c->ctab.slots, c->utab.slots, c->otab.slots, c->ctab.tags, c->utab.tags, c->otab.tags};
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
     for (size_t n = 0; n < c->nnodes; n++) { PyMem_RawFree(c->nodes[n].heap[0].a); PyMem_RawFree(c->nodes[n].heap[1].a); }
@@ -714,6 +860,10 @@ static PyMethodDef Core_methods[] = {
     {"shards_on", (PyCFunction)Core_shards_on, METH_O, NULL},
     {"units", (PyCFunction)Core_units, METH_NOARGS, NULL},
     {"locate", (PyCFunction)Core_locate, METH_VARARGS, NULL},
+    {"replica_candidates", (PyCFunction)Core_replica_candidates, METH_VARARGS, NULL},
+    {"start_replica", (PyCFunction)Core_start_replica, METH_VARARGS, NULL},
+    {"replicated", (PyCFunction)Core_replicated, METH_VARARGS, NULL},
+    {"replicas_on", (PyCFunction)Core_replicas_on, METH_O, NULL},
     {"contains", (PyCFunction)Core_contains, METH_VARARGS, NULL},
     {"size", (PyCFunction)Core_size, METH_NOARGS, NULL},
     {"holders", (PyCFunction)Core_holders, METH_NOARGS, NULL},

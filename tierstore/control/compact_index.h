@@ -1,6 +1,6 @@
 /* The compact chunk index's records and shared declarations (tierstore.control._compact_index).
  *
- * The same decisions as tierstore.control.index.ChunkIndex (LRU policy, no replicas),
+ * The same decisions as tierstore.control.index.ChunkIndex (LRU policy, replicas of hot chunks),
  * every per-chunk record in a flat array instead of Python objects:
  *   - chunks and units are found by 64-bit hashes of (namespace id, key) and
  *     (namespace id, boundary) in open-addressing tables (linear probing, deletion by
@@ -54,9 +54,9 @@
 
 enum {
     C_STORED, C_HITS, C_MISSES, C_EVICTED, C_DEMOTED, C_PROMOTED, C_DISK_HITS,
-    C_REFUSED, C_SKIPPED, C_ADMIT_CALLS, C_ADMITTED_UNITS, N_COUNTS
+    C_REFUSED, C_SKIPPED, C_ADMIT_CALLS, C_ADMITTED_UNITS, C_REPLICATED, N_COUNTS
 };
-enum { A_DROP, A_DEMOTE, A_PROMOTE, A_PERSIST, N_ACTION_KINDS };
+enum { A_DROP, A_DEMOTE, A_PROMOTE, A_PERSIST, A_PUSH, N_ACTION_KINDS };
 
 /* Records are packed to 4 bytes: millions of them, and x86 reads a u64 at any offset. */
 #pragma pack(push, 4)
@@ -66,9 +66,14 @@ typedef struct { uint64_t nbytes; uint32_t node : 24; uint32_t flags : 8; } Shar
 /* The key's bytes live in the key pool of its length (at ``keyref``); a chunk's hash is
  * recomputed from them when its table grows. */
 typedef struct {
-    uint32_t ns, unit, shards, next, lease, world, present, keyref;
+    uint32_t ns, unit, shards, next, lease, world, present, keyref, replicas;
     uint8_t keylen, alive;
 } Chunk;
+
+/* A replica of a whole chunk in ``node``'s CPU tier, ``landed`` ranks arrived (ready when
+ * that is the chunk's world). A chunk's replicas are a list in the order they were made
+ * (``cnext``); a node's are a list in LRU order, oldest first (``lprev``/``lnext``). */
+typedef struct { uint32_t chunk, node, landed, cnext, lprev, lnext; } Replica;
 
 /* A unit's namespace, boundary and hash are its first chunk's. */
 typedef struct {
@@ -89,6 +94,7 @@ typedef struct {
     int registered, has_parked;
     int64_t cap[2], used[2], shards[2], parked_cap;
     Heap heap[2];
+    uint32_t rhead, rtail; /* its replicas, least recently used first (NIL: none) */
 } Node;
 
 /* Slots hold record indices; beside each, 8 bits of its hash (a probe dereferences a
@@ -123,6 +129,7 @@ typedef struct {
     Edge *edges; size_t nedges, capedges; uint32_t edge_free;
     Wait *waits; size_t nwaits, capwaits; uint32_t wait_free;
     Lease *leases; size_t nleases, capleases; uint32_t lease_free;
+    Replica *replicas; size_t nreplicas, capreplicas; uint32_t replica_free;
     Table ctab, utab, otab;
     KeyPool keys[256];
     Node *nodes; size_t nnodes;
@@ -177,6 +184,7 @@ INTERNAL int demote_for_store(Core *c, uint32_t node, uint64_t nbytes, uint32_t 
 INTERNAL void demote_to_watermark(Core *c, uint32_t node, const Prot *p, double now);
 INTERNAL void drop_unit(Core *c, uint32_t u);
 INTERNAL void emit(Core *c, int kind, uint32_t node, uint32_t ci, uint32_t rank);
+INTERNAL PyObject *action_list(Core *c, int kind, uint32_t node);
 INTERNAL void fatal_if(int bad);
 INTERNAL uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, uint64_t h);
 INTERNAL uint32_t find_unit(Core *c, uint32_t ns, const uint8_t *b, size_t blen, uint64_t h);
@@ -195,6 +203,16 @@ INTERNAL int release_one(Core *c, uint32_t ci, uint32_t holder);
 INTERNAL PyObject *shard_id(Core *c, uint32_t ns, const uint8_t *key, size_t len, uint32_t rank);
 INTERNAL void unpark(Core *c, uint32_t u);
 INTERNAL void unprotect(Core *c);
+/* replicas (compact_core.c) */
+INTERNAL uint32_t replica_on(Core *c, uint32_t ci, uint32_t node);
+INTERNAL int replica_ready(Core *c, uint32_t r);
+INTERNAL int holds(Core *c, uint32_t ci, uint32_t node);
+INTERNAL int start_replica(Core *c, uint32_t ci, uint32_t node);
+INTERNAL void drop_replica(Core *c, uint32_t r);
+INTERNAL void touch_replica(Core *c, uint32_t r);
+INTERNAL void forget_replicas_on(Core *c, uint32_t node);
+INTERNAL int rescue(Core *c, uint32_t u, uint32_t lost);
+INTERNAL void emit_push(Core *c, uint32_t from, uint32_t ci, uint32_t rank, uint32_t to);
 INTERNAL void want_protected(Core *c, uint32_t ns, const uint8_t *b, size_t blen, uint64_t h);
 
 #endif /* TIERSTORE_COMPACT_INDEX_H */

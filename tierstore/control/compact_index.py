@@ -20,9 +20,15 @@ random workloads on both and requires the same answers, actions (in order), stat
 state. What is ported: the LRU policy, nodes, stores shard by shard and by unit (room
 by demotion, dropping tails, a store's last-resort demotion, write-through, watermarks),
 lookups with leases and promotion, promotions reported, disk write failures, restore,
-forget_shards and corruption, forget_node. Not ported: the ARC policy and replicas of hot chunks
-(``replicate_after_loads`` > 0): the constructor refuses them, and :func:`make_index`
-then builds the reference index instead.
+forget_shards and corruption, forget_node, and replicas of hot chunks (started after
+``replicate_after_loads`` loads from elsewhere, landed or failed, evicted first on their
+node, dropped with their chunk, adopted when their chunk's holder is lost, served by
+lookups and ``locate``). Not ported: the ARC policy (its two segments, ghost lists and
+adaptive target are a second policy engine in C): the constructor refuses it, and
+:func:`make_index` then builds the reference index instead.
+
+The per-(chunk, node) load counts that decide when a replica is made stay in Python, as
+ChunkIndex's bounded ``OrderedDict``: a few thousand entries, touched once per load.
 
 The extension is optional at install (no C compiler: :func:`available` is False and
 :func:`make_index` builds a ChunkIndex, the same decisions at the reference's speed).
@@ -35,7 +41,9 @@ dict is new per answer.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from itertools import islice
+from typing import Any
 
 from tierstore.control.index import (
     Actions,
@@ -63,6 +71,7 @@ except ImportError:  # built without a C compiler: make_index falls back to Chun
     _compact_index = None  # type: ignore[assignment]
 
 _RESTORE_GRACE_HOLDER = "tierstore/restore-grace"  # as ChunkIndex's
+_REMOTE_LOADS_MAX = 1 << 16  # (chunk, node) load counts kept, as ChunkIndex's
 # IndexStats fields the C core counts, in the order of its drain_counts() tuple.
 _CORE_COUNTS = (
     "stored_chunks",
@@ -76,6 +85,7 @@ _CORE_COUNTS = (
     "skipped_stores",
     "admit_calls",
     "admitted_units",
+    "replicated_chunks",
 )
 
 
@@ -89,7 +99,7 @@ class CompactChunkIndex:
 
     Single-threaded: the Evictor serialises every call. Built as
     ``CompactChunkIndex(policy, watermarks, replicate_after_loads)``; only the LRU policy
-    and no replicas (``replicate_after_loads=0``) are supported (ValueError otherwise).
+    is supported (ValueError otherwise).
     """
 
     def __init__(
@@ -102,11 +112,12 @@ class CompactChunkIndex:
             raise ValueError("the compact index's C extension is not built (no C compiler?)")
         if policy != "lru":
             raise ValueError(f"the compact index supports the 'lru' policy only, not {policy!r}")
-        if replicate_after_loads:
+        if replicate_after_loads < 0:
             raise ValueError(
-                "the compact index has no replicas: replicate_after_loads must be 0, "
-                f"not {replicate_after_loads!r}"
+                f"replicate_after_loads: expected >= 0 (0 = never), got {replicate_after_loads!r}"
             )
+        self._replicate_after = replicate_after_loads
+        self._remote_loads: OrderedDict[tuple[ChunkId, NodeId], int] = OrderedDict()
         marks = watermarks or Watermarks()
         self._core = _compact_index.Core(
             marks.high,
@@ -131,11 +142,11 @@ class CompactChunkIndex:
                 setattr(self.stats, name, getattr(self.stats, name) + n)
 
     @staticmethod
-    def _actions(raw: dict[NodeId, tuple[list[ShardId], ...]]) -> Actions:
-        """The core's ``node -> [drop, demote, promote, persist]`` as NodeActions."""
+    def _actions(raw: dict[NodeId, tuple[list[Any], ...]]) -> Actions:
+        """The core's ``node -> [drop, demote, promote, persist, push]`` as NodeActions."""
         return {
-            node: NodeActions(drop=drop, demote=demote, promote=promote, persist=persist)
-            for node, (drop, demote, promote, persist) in raw.items()
+            node: NodeActions(drop, demote, promote, persist, push)
+            for node, (drop, demote, promote, persist, push) in raw.items()
         }
 
     def _known(self, node: NodeId) -> None:
@@ -221,9 +232,9 @@ class CompactChunkIndex:
         lease_ttl_s: float,
         node: NodeId | None = None,
     ) -> tuple[list[LookupAnswer], Actions]:
-        """As :meth:`ChunkIndex.lookup` (no replicas: ``node`` names none)."""
+        """As :meth:`ChunkIndex.lookup`: a HIT names ``node`` when its replica is complete."""
         answers, raw = self._core.lookup(
-            namespace, list(keys), holder, float(now), float(lease_ttl_s)
+            namespace, list(keys), holder, float(now), float(lease_ttl_s), node
         )
         self._sync()
         return answers, self._actions(raw)
@@ -263,24 +274,51 @@ class CompactChunkIndex:
         self._sync()
         return self._actions(raw)
 
-    # ---- replicas: none here ---------------------------------------------------------
+    # ---- replicas -------------------------------------------------------------------
     def record_loads(self, namespace: Namespace, keys: list[ChunkKey], node: NodeId) -> Actions:
-        """No replicas are made (``replicate_after_loads`` is 0)."""
-        return {}
+        """As :meth:`ChunkIndex.record_loads`: a chunk ``node`` loaded from elsewhere
+        ``replicate_after_loads`` times is copied into its CPU tier if that fits below the
+        low watermark (a replica never evicts anything)."""
+        if not self._replicate_after or node not in self._registered:
+            return {}
+        merged: Actions = {}
+        started: set[ChunkKey] = set()  # a replica made in this call: its node holds it now
+        counts = self._core.replica_candidates(namespace, list(keys), node)
+        for key, counts_here in zip(keys, counts, strict=True):
+            if not counts_here or key in started:
+                continue
+            cid = ChunkId(namespace, key)
+            loads = self._remote_loads.pop((cid, node), 0) + 1
+            if loads < self._replicate_after:
+                self._remote_loads[(cid, node)] = loads
+                if len(self._remote_loads) > _REMOTE_LOADS_MAX:
+                    self._remote_loads.popitem(last=False)
+                continue
+            made, raw = self._core.start_replica(namespace, key, node)
+            if made:
+                started.add(key)
+            for holder, actions in self._actions(raw).items():
+                merged.setdefault(holder, NodeActions()).push.extend(actions.push)
+        return merged
 
     def replicated(self, node: NodeId, done: list[ShardId], failed: list[ShardId]) -> Actions:
-        """No replica was asked for: shards that arrive anyway are dropped."""
-        return {node: NodeActions(drop=list(done))} if done else {}
+        """As :meth:`ChunkIndex.replicated`: ``node``'s replica shards landed, or could not
+        (its replica is dropped); one whose chunk or replica went meanwhile is dropped."""
+        raw = self._core.replicated(node, list(done), list(failed))
+        self._sync()
+        return self._actions(raw)
 
     def locate(
         self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid: NodeId
     ) -> list[NodeId | None]:
-        """Per key, the holder of ``rank``'s shard when that is not ``avoid``."""
+        """Per key, a node other than ``avoid`` holding ``rank``'s shard: the holder, else
+        a complete replica."""
         found: list[NodeId | None] = self._core.locate(namespace, list(keys), rank, avoid)
         return found
 
     def replicas_on(self, node: NodeId) -> set[ChunkId]:
-        return set()
+        """Chunks with a complete replica on ``node``."""
+        return {ChunkId(ns, key) for ns, key in self._core.replicas_on(node)}
 
     # ---- introspection ---------------------------------------------------------------
     def record_loaded(self, n_chunks: int) -> None:
@@ -290,7 +328,7 @@ class CompactChunkIndex:
         self.stats.failed_stores += n_jobs
 
     def shards_on(self, node: NodeId) -> set[tuple[ShardId, TierName]]:
-        """Every copy the index believes ``node`` holds."""
+        """Every copy the index believes ``node`` holds (replicas once complete)."""
         return set(self._core.shards_on(node))
 
     def units(self) -> dict[UnitId, tuple[set[UnitId], set[UnitId]]]:
@@ -323,12 +361,12 @@ class CompactChunkIndex:
 def make_index(
     policy: str = "lru", watermarks: Watermarks | None = None, replicate_after_loads: int = 0
 ) -> ChunkIndex | CompactChunkIndex:
-    """The compact index where it is built and supports the settings, else ChunkIndex
-    (the same decisions, at the reference's speed and memory), saying why."""
+    """The compact index where it is built and supports the settings (the LRU policy),
+    else ChunkIndex (the same decisions, at the reference's speed and memory), saying why."""
     if not available():
         logger.warning("compact index not built (no C compiler at install): using ChunkIndex")
-    elif policy != "lru" or replicate_after_loads:
-        logger.info("compact index supports lru without replicas: using ChunkIndex")
+    elif policy != "lru":
+        logger.info("compact index supports the lru policy only, not %r: using ChunkIndex", policy)
     else:
         return CompactChunkIndex(policy, watermarks, replicate_after_loads)
     return ChunkIndex(policy, watermarks, replicate_after_loads)
