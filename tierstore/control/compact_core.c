@@ -565,7 +565,7 @@ INTERNAL void drop_unit(Core *c, uint32_t u) {
         add_wait(c, child, uh); /* re-linked if this boundary comes back */
     }
     for (uint32_t ci = c->units[u].chunks; ci != NIL; ci = c->chunks[ci].next) {
-        while (c->chunks[ci].replicas != NIL) drop_replica(c, c->chunks[ci].replicas); /* made first, dropped first */
+        while (c->chunks[ci].has_replicas) drop_replica(c, replicas_of(c, ci)); /* made first, dropped first */
         tab_remove(c, &c->ctab, T_CHUNK, chunk_hash(c, ci), ci);
         free_leases(c, ci);
         for (uint32_t r = 0; r < c->chunks[ci].world; r++) {
@@ -635,7 +635,7 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
     uint32_t ci = POOL_NEW(c, chunks, nchunks, capchunks, c->chunk_free, Chunk, next);
     Chunk *ch = &c->chunks[ci];
     memset(ch, 0, sizeof *ch);
-    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL; ch->replicas = NIL;
+    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL;
     ch->keylen = (uint8_t)len; ch->alive = 1;
     ch->keyref = key_store(c, key, len);
     uint32_t base;
@@ -675,9 +675,53 @@ INTERNAL uint32_t add_shard(Core *c, uint32_t ci, uint32_t node, const Offer *o,
 }
 
 /* ---- replicas (index_replicas.py) ------------------------------------------------- */
+/* The slot of chunk ``ci`` in the replica heads' table (its key NIL: not there). */
+static size_t rslot(const Core *c, uint32_t ci) {
+    size_t i = (size_t)mix64(ci) & c->rmask;
+    while (c->rkeys[i] != NIL && c->rkeys[i] != ci) i = (i + 1) & c->rmask;
+    return i;
+}
+/* Chunk ``ci``'s first replica, else NIL. */
+INTERNAL uint32_t replicas_of(Core *c, uint32_t ci) {
+    return c->chunks[ci].has_replicas ? c->rheads[rslot(c, ci)] : NIL;
+}
+/* Chunk ``ci``'s first replica is now ``r`` (NIL: it has none). */
+static void set_replicas(Core *c, uint32_t ci, uint32_t r) {
+    if (r != NIL && !c->chunks[ci].has_replicas && (c->rcount + 1) * 2 > c->rmask + 1) { /* grow */
+        size_t old = c->rkeys ? c->rmask + 1 : 0, size = old ? 2 * old : 64;
+        uint32_t *keys = c->rkeys, *heads = c->rheads;
+        c->rkeys = PyMem_RawMalloc(size * sizeof(uint32_t));
+        c->rheads = PyMem_RawMalloc(size * sizeof(uint32_t));
+        if (!c->rkeys || !c->rheads) Py_FatalError("tierstore compact index: out of memory");
+        memset(c->rkeys, 0xff, size * sizeof(uint32_t));
+        c->rmask = size - 1;
+        for (size_t i = 0; i < old; i++)
+            if (keys[i] != NIL) { size_t j = rslot(c, keys[i]); c->rkeys[j] = keys[i]; c->rheads[j] = heads[i]; }
+        PyMem_RawFree(keys); PyMem_RawFree(heads);
+    }
+    if (r != NIL) {
+        size_t i = rslot(c, ci);
+        if (c->rkeys[i] == NIL) { c->rkeys[i] = ci; c->rcount++; }
+        c->rheads[i] = r;
+        c->chunks[ci].has_replicas = 1;
+        return;
+    }
+    if (!c->chunks[ci].has_replicas) return;
+    c->chunks[ci].has_replicas = 0;
+    size_t i = rslot(c, ci), j = i; /* deletion by backward shift */
+    for (;;) {
+        j = (j + 1) & c->rmask;
+        if (c->rkeys[j] == NIL) break;
+        size_t k = (size_t)mix64(c->rkeys[j]) & c->rmask;
+        int stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
+        if (!stays) { c->rkeys[i] = c->rkeys[j]; c->rheads[i] = c->rheads[j]; i = j; }
+    }
+    c->rkeys[i] = NIL;
+    c->rcount--;
+}
 /* ``node``'s replica of chunk ``ci``, else NIL. */
 INTERNAL uint32_t replica_on(Core *c, uint32_t ci, uint32_t node) {
-    for (uint32_t r = c->chunks[ci].replicas; r != NIL; r = c->replicas[r].cnext)
+    for (uint32_t r = replicas_of(c, ci); r != NIL; r = c->replicas[r].cnext)
         if (c->replicas[r].node == node) return r;
     return NIL;
 }
@@ -709,9 +753,14 @@ static void lru_append(Core *c, uint32_t r) {
 }
 /* Replica ``r`` out of its chunk's list, its node's list and its pool. */
 static void free_replica(Core *c, uint32_t r) {
-    uint32_t *link = &c->chunks[c->replicas[r].chunk].replicas;
-    while (*link != r) link = &c->replicas[*link].cnext;
-    *link = c->replicas[r].cnext;
+    uint32_t ci = c->replicas[r].chunk, head = replicas_of(c, ci);
+    if (head == r) {
+        set_replicas(c, ci, c->replicas[r].cnext);
+    } else {
+        uint32_t prev = head;
+        while (c->replicas[prev].cnext != r) prev = c->replicas[prev].cnext;
+        c->replicas[prev].cnext = c->replicas[r].cnext;
+    }
     lru_unlink(c, r);
     c->replicas[r].cnext = c->replica_free; c->replica_free = r;
 }
@@ -733,9 +782,13 @@ INTERNAL int start_replica(Core *c, uint32_t ci, uint32_t node) {
     if ((double)(n->used[CPU] + (int64_t)nbytes) > c->low * (double)n->cap[CPU]) return 0;
     uint32_t r = POOL_NEW(c, replicas, nreplicas, capreplicas, c->replica_free, Replica, cnext);
     c->replicas[r] = (Replica){ci, node, 0, NIL, NIL, NIL};
-    uint32_t *link = &c->chunks[ci].replicas;
-    while (*link != NIL) link = &c->replicas[*link].cnext;
-    *link = r;
+    uint32_t last = replicas_of(c, ci);
+    if (last == NIL) {
+        set_replicas(c, ci, r);
+    } else {
+        while (c->replicas[last].cnext != NIL) last = c->replicas[last].cnext;
+        c->replicas[last].cnext = r;
+    }
     lru_append(c, r);
     ch = &c->chunks[ci];
     for (uint32_t k = 0; k < ch->world; k++) {
@@ -808,7 +861,7 @@ INTERNAL int rescue(Core *c, uint32_t u, uint32_t lost) {
                 if ((s->flags & S_HELD) && s->node == lost) on_lost = 1;
             }
             if (!on_lost) continue;
-            uint32_t r = ch->replicas;
+            uint32_t r = replicas_of(c, ci);
             while (r != NIL && !replica_ready(c, r)) r = c->replicas[r].cnext;
             if (r == NIL) return 0; /* only in the first pass: the plan is checked whole */
             if (apply) adopt_replica(c, u, ci, r);

@@ -692,7 +692,7 @@ static PyObject *Core_locate(Core *c, PyObject *args) {
         if (ci != NIL && rank >= 0 && rank < (long long)c->chunks[ci].world) {
             Shard *s = SHARD(c, &c->chunks[ci], rank);
             if ((s->flags & S_HELD) && (long)s->node != av && !(s->flags & S_PROMOTING)) found = (long)s->node;
-            for (uint32_t r = c->chunks[ci].replicas; found < 0 && r != NIL; r = c->replicas[r].cnext)
+            for (uint32_t r = replicas_of(c, ci); found < 0 && r != NIL; r = c->replicas[r].cnext)
                 if ((long)c->replicas[r].node != av && replica_ready(c, r)) found = (long)c->replicas[r].node;
         }
         PyObject *o = found >= 0 ? PyList_GET_ITEM(c->node_list, found) : Py_None;
@@ -802,7 +802,7 @@ static PyObject *Core_drain_counts(Core *c, PyObject *unused) {
 static PyObject *Core_memory_bytes(Core *c, PyObject *unused) {
     size_t b = c->capchunks * sizeof(Chunk) + c->capshards * sizeof(Shard) + c->capunits * sizeof(Unit)
              + c->capedges * sizeof(Edge) + c->capwaits * sizeof(Wait) + c->capleases * sizeof(Lease)
-             + c->capreplicas * sizeof(Replica)
+             + c->capreplicas * sizeof(Replica) + (c->rkeys ? 2 * (c->rmask + 1) * sizeof(uint32_t) : 0)
              + c->capwk * sizeof(Wakeup) + c->pcap * sizeof(uint64_t);
     for (int i = 0; i < 256; i++) b += c->keys[i].cap * key_slot((size_t)i);
     Table *ts[3] = {&c->ctab, &c->utab, &c->otab};
@@ -830,7 +830,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
 }
 static void Core_dealloc(Core *c) {
     for (int i = 0; i < 256; i++) PyMem_RawFree(c->keys[i].a);
-    void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->replicas, c->wk, c->pset,
+    void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->replicas, c->rkeys, c->rheads, c->wk, c->pset,
                       c->plist, c->pkeys, c->ctab.slots, c->utab.slots, c->otab.slots, c->ctab.tags, c->utab.tags, c->otab.tags};
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
     for (size_t n = 0; n < c->nnodes; n++) { PyMem_RawFree(c->nodes[n].heap[0].a); PyMem_RawFree(c->nodes[n].heap[1].a); }

@@ -66,8 +66,8 @@ typedef struct { uint64_t nbytes; uint32_t node : 24; uint32_t flags : 8; } Shar
 /* The key's bytes live in the key pool of its length (at ``keyref``); a chunk's hash is
  * recomputed from them when its table grows. */
 typedef struct {
-    uint32_t ns, unit, shards, next, lease, world, present, keyref, replicas;
-    uint8_t keylen, alive;
+    uint32_t ns, unit, shards, next, lease, world, present, keyref;
+    uint8_t keylen, alive, has_replicas; /* its replicas' list head: in Core.rheads */
 } Chunk;
 
 /* A replica of a whole chunk in ``node``'s CPU tier, ``landed`` ranks arrived (ready when
@@ -130,6 +130,9 @@ typedef struct {
     Wait *waits; size_t nwaits, capwaits; uint32_t wait_free;
     Lease *leases; size_t nleases, capleases; uint32_t lease_free;
     Replica *replicas; size_t nreplicas, capreplicas; uint32_t replica_free;
+    /* chunk -> its first replica, for the few chunks with one (a field in every chunk
+     * record would cost 4 bytes a chunk): linear probing, keys NIL when free. */
+    uint32_t *rkeys, *rheads; size_t rmask, rcount;
     Table ctab, utab, otab;
     KeyPool keys[256];
     Node *nodes; size_t nnodes;
@@ -205,6 +208,7 @@ INTERNAL void unpark(Core *c, uint32_t u);
 INTERNAL void unprotect(Core *c);
 /* replicas (compact_core.c) */
 INTERNAL uint32_t replica_on(Core *c, uint32_t ci, uint32_t node);
+INTERNAL uint32_t replicas_of(Core *c, uint32_t ci);
 INTERNAL int replica_ready(Core *c, uint32_t r);
 INTERNAL int holds(Core *c, uint32_t ci, uint32_t node);
 INTERNAL int start_replica(Core *c, uint32_t ci, uint32_t node);
