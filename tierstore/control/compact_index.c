@@ -546,10 +546,10 @@ static int unit_order(const void *a, const void *b) {
     Core *c = sort_core;
     uint32_t ua = *(const uint32_t *)a, ub = *(const uint32_t *)b;
     uint32_t na = unit_ns(c, ua), nb = unit_ns(c, ub);
-    if (na != nb) {
-        int cmp = PyUnicode_Compare(PyList_GET_ITEM(c->ns_list, na), PyList_GET_ITEM(c->ns_list, nb));
-        fatal_if(cmp == -1 && PyErr_Occurred() != NULL);
-        if (cmp) return cmp;
+    if (na != nb) { /* namespaces are str; others (never sent) in the order first seen */
+        int lt = PyObject_RichCompareBool(PyList_GET_ITEM(c->ns_list, na), PyList_GET_ITEM(c->ns_list, nb), Py_LT);
+        if (lt < 0) { PyErr_Clear(); return na < nb ? -1 : 1; }
+        return lt ? -1 : 1;
     }
     Chunk *ca = &c->chunks[c->units[ua].chunks], *cb = &c->chunks[c->units[ub].chunks];
     size_t la = boundary_len(ca->keylen), lb = boundary_len(cb->keylen);
