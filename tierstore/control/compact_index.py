@@ -10,7 +10,7 @@ from flat arrays in a C extension (``compact_index.c``, built as
   ``(namespace, boundary)`` in open-addressing tables, each hit confirmed against the
   key bytes kept in the chunk's record; namespaces, nodes and lease holders are interned
   once, as small integers;
-- a chunk's shards are a run of 16-byte records; the prefix tree's edges, the waits of
+- a chunk's shards are a run of 12-byte records; the prefix tree's edges, the waits of
   units whose parent is absent, and the leases are pooled records linked by index;
 - the candidate heaps per (node, tier), the parked units and their wake-ups are the
   reference's, as arrays of ``(rank, unit)``.
