@@ -9,8 +9,9 @@ VENV=.venv
 PY=${PYTHON:-python3}
 stamp="$VENV/.tierstore-installed"
 # The install's inputs: an edit to any of them installs again (the editable install
-# rebuilds the C module, tierstore/data/_fused_copy, from its source).
-want=$(sha256sum pyproject.toml deploy/setup.sh tierstore/data/*.c | sha256sum | cut -c1-16)
+# rebuilds the C modules, tierstore/data/_fused_copy and tierstore/control/_compact_index,
+# from their sources).
+want=$(sha256sum pyproject.toml deploy/setup.sh tierstore/data/*.c tierstore/control/*.[ch] | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e2e: a tierstore config key for the tierstore engine (repeatable), e.g. "
         "--set hits_from_picture=false; recorded in the JSON",
     )
+    parser.add_argument(
+        "--index",
+        choices=["both", "chunk", "compact"],
+        default="both",
+        help="evictor: which chunk index to measure (ChunkIndex, the compact one, or both)",
+    )
     add_log_arguments(parser)  # default log file: OUT/NAME.log
 
 

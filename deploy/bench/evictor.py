@@ -1,13 +1,15 @@
 """The Evictor's index at scale: operations per second and memory per indexed chunk.
 
 The plain :class:`ChunkIndex` is all of the Evictor's logic; it is measured at each size
-in a fresh process (so the RSS delta is the index's own). The shape is a realistic
-cache: 4 nodes, requests of 16 chained chunks, a CPU tier holding half the chunks and a
-disk tier holding all of them (write-through, default watermarks). Then one row goes
-through the real Evictor actor on a local Ray cluster, in batched calls, so the cost of
-a Ray call per operation shows beside the index's own. And admission of a TP group's
-chunks (ranks x KV cache groups shards per boundary), shard by shard against one
-decision per boundary (``units``).
+in a fresh process (so the RSS delta is the index's own), and so is the compact index
+(:class:`~tierstore.control.compact_index.CompactChunkIndex`: the same decisions from
+flat arrays in C), also at 10^7 chunks, where ChunkIndex would need about 12 GB. The
+shape is a realistic cache: 4 nodes, requests of 16 chained chunks, a CPU tier holding
+half the chunks and a disk tier holding all of them (write-through, default watermarks).
+Then one row goes through the real Evictor actor on a local Ray cluster, in batched
+calls, so the cost of a Ray call per operation shows beside the index's own. And
+admission of a TP group's chunks (ranks x KV cache groups shards per boundary), shard by
+shard against one decision per boundary (``units``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 from tierstore.deploy.bench import plots
 from tierstore.deploy.bench.common import ray_session
 
+from tierstore.control import compact_index
+from tierstore.control.compact_index import CompactChunkIndex
 from tierstore.control.index import ChunkIndex, LookupState, ShardOffer
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.wire import units_of
@@ -37,16 +41,25 @@ NS = Namespace("e71c")
 NODES = [NodeId(f"bench-node-{i}") for i in range(4)]
 CHAIN = 16  # chunks per request
 LEASE_S = 30.0
+# The indexes measured, by the name --index takes.
+INDEXES: dict[str, type[ChunkIndex] | type[CompactChunkIndex]] = {
+    "chunk": ChunkIndex,
+    "compact": CompactChunkIndex,
+}
 
 
-def _key(i: int) -> ChunkKey:
-    return ChunkKey(i.to_bytes(8, "big") + b"\0\0\0\0")
+KEY_BYTES = 12  # the bench's keys: an 8-byte block number and the 4-byte group
+VLLM_KEY_BYTES = 36  # vLLM's: a 32-byte block hash and the group
 
 
-def _request(first: int) -> list[ShardOffer]:
+def _key(i: int, key_bytes: int = KEY_BYTES) -> ChunkKey:
+    return ChunkKey(i.to_bytes(key_bytes - 4, "big") + b"\0\0\0\0")
+
+
+def _request(first: int, key_bytes: int = KEY_BYTES) -> list[ShardOffer]:
     """A request's chain of chunks, each 1 byte (capacities count chunks)."""
     return [
-        ShardOffer(NS, _key(i), 0, 1, 1, _key(i - 1) if i > first else None)
+        ShardOffer(NS, _key(i, key_bytes), 0, 1, 1, _key(i - 1, key_bytes) if i > first else None)
         for i in range(first, first + CHAIN)
     ]
 
@@ -60,45 +73,70 @@ def _rate(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("inf")
 
 
-def _fill(index: ChunkIndex, first: int, n: int, now: float) -> float:
+def _fill(
+    index: ChunkIndex | CompactChunkIndex, first: int, n: int, now: float, key_bytes: int
+) -> float:
     started = time.perf_counter()
     for r, start in enumerate(range(first, first + n, CHAIN)):
-        index.admit(NODES[r % len(NODES)], _request(start), now)
+        index.admit(NODES[r % len(NODES)], _request(start, key_bytes), now)
     return time.perf_counter() - started
 
 
-def bench_index(n: int, seed: int = 0) -> dict[str, Any]:
-    """Every index operation at ``n`` indexed chunks (run in a fresh process)."""
+def _lookups(
+    index: ChunkIndex | CompactChunkIndex,
+    n: int,
+    rng: random.Random,
+    key_bytes: int,
+    ops: dict[str, float],
+) -> float:
+    """Lookups of requests still in memory (the latest quarter), each leased and released
+    as an engine does between its HIT and its load: their rates into ``ops``; the hit
+    ratio returned."""
+    lookups = min(n // 4, 200_000) // CHAIN
+    starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
+    requests = [[_key(i, key_bytes) for i in range(start, start + CHAIN)] for start in starts]
+    hits = 0
+    looking = releasing = 0.0
+    for keys in requests:
+        started = time.perf_counter()
+        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S)
+        looked = time.perf_counter()
+        index.release(NS, keys, "engine")
+        looking += looked - started
+        releasing += time.perf_counter() - looked
+        hits += sum(a.state is LookupState.HIT for a in answers)
+    ops["lookup_lease"] = _rate(lookups * CHAIN, looking)  # a request's lookup call alone
+    ops["lookup_lease_release"] = _rate(lookups * CHAIN, looking + releasing)
+    return hits / max(1, lookups * CHAIN)
+
+
+def bench_index(
+    n: int, kind: str = "chunk", key_bytes: int = KEY_BYTES, seed: int = 0
+) -> dict[str, Any]:
+    """Every operation of the ``kind`` index at ``n`` indexed chunks of ``key_bytes``-byte
+    keys (in a fresh process)."""
     rng = random.Random(seed)
     gc.collect()
     rss_before = _rss_bytes()
-    index = ChunkIndex("lru")
+    index = INDEXES[kind]("lru")
     per_node = n // len(NODES)
     for node in NODES:
         index.register_node(node, cpu_bytes=per_node // 2, disk_bytes=per_node)
     ops: dict[str, float] = {}
     half = n // 2
-    ops["admit"] = _rate(half, _fill(index, 0, half, now=0.0))  # room in both tiers
-    ops["admit_demote"] = _rate(n - half, _fill(index, half, n - half, now=0.0))  # CPU full
+    ops["admit"] = _rate(half, _fill(index, 0, half, 0.0, key_bytes))  # room in both tiers
+    ops["admit_demote"] = _rate(n - half, _fill(index, half, n - half, 0.0, key_bytes))  # CPU full
     memory_per_chunk = (_rss_bytes() - rss_before) / len(index)
+    arrays_per_chunk = (
+        index.memory_bytes() / len(index) if isinstance(index, CompactChunkIndex) else None
+    )
 
-    # Lookups of requests still in memory (the latest quarter), each leased and released
-    # as an engine does between its HIT and its load.
-    lookups = min(n // 4, 200_000) // CHAIN
-    starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
-    started = time.perf_counter()
-    hits = 0
-    for start in starts:
-        keys = [_key(i) for i in range(start, start + CHAIN)]
-        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S)
-        hits += sum(a.state is LookupState.HIT for a in answers)
-        index.release(NS, keys, "engine")
-    ops["lookup_lease_release"] = _rate(lookups * CHAIN, time.perf_counter() - started)
+    hit_ratio = _lookups(index, n, rng, key_bytes, ops)
 
     # Under pressure: every chunk stored now demotes one and drops a disk-only tail.
     extra = min(n // 10, 100_000) // CHAIN * CHAIN
     evicted_before = index.stats.evicted_chunks
-    ops["admit_evict"] = _rate(extra, _fill(index, n, extra, now=2.0))
+    ops["admit_evict"] = _rate(extra, _fill(index, n, extra, 2.0, key_bytes))
     evicted = index.stats.evicted_chunks - evicted_before
 
     chunks_before = len(index)
@@ -107,10 +145,13 @@ def bench_index(n: int, seed: int = 0) -> dict[str, Any]:
     forget_s = time.perf_counter() - started
     ops["forget_node"] = _rate(chunks_before - len(index), forget_s)
     return {
+        "index": kind,
         "chunks": n,
+        "key_bytes": key_bytes,
         "ops_per_s": ops,
         "memory_bytes_per_chunk": memory_per_chunk,
-        "lookup_hit_ratio": hits / max(1, lookups * CHAIN),
+        "array_bytes_per_chunk": arrays_per_chunk,  # compact: its arrays' capacity
+        "lookup_hit_ratio": hit_ratio,
         "evicted_under_pressure": evicted,
         "forget_node_s": forget_s,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -205,9 +246,21 @@ def _in_fresh_process(fn: Any, *args: Any) -> Any:
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    rows = results["index"]
+    rows = [
+        r
+        for r in results.get("index") or results["compact_index"]
+        if r.get("key_bytes", KEY_BYTES) == KEY_BYTES
+    ]
     sizes = [r["chunks"] for r in rows]
     series = {op: [r["ops_per_s"][op] for r in rows] for op in rows[0]["ops_per_s"]}
+    compact = [
+        r
+        for r in results.get("compact_index", [])
+        if r["chunks"] in sizes and r["key_bytes"] == KEY_BYTES
+    ]
+    if "index" in results and compact:
+        for op in compact[0]["ops_per_s"]:
+            series[f"compact {op}"] = [r["ops_per_s"][op] for r in compact]
     for row in results["actor"]:  # flat: the actor row is measured at one size
         for op in ("admit", "lookup_lease"):
             series[f"Evictor actor {op}, {row['batch']}/call"] = [row[op]["ops_per_s"]] * len(rows)
@@ -228,19 +281,40 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
             "indexed chunks",
             "bytes / chunk",
             sizes,
-            {"ChunkIndex": [r["memory_bytes_per_chunk"] for r in rows]},
+            {
+                "ChunkIndex" if "index" in results else "compact": [
+                    r["memory_bytes_per_chunk"] for r in rows
+                ],
+                **(
+                    {"compact": [r["memory_bytes_per_chunk"] for r in compact]}
+                    if "index" in results and len(compact) == len(rows)
+                    else {}
+                ),
+            },
             logx=True,
         ),
     ]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both indexes (or the one ``--index`` names) at each size, then the actor's rows."""
     sizes = [10**3, 10**4] if args.quick else [10**4, 10**5, 10**6]
+    kinds = ["chunk", "compact"] if getattr(args, "index", "both") == "both" else [args.index]
+    if "compact" in kinds and not compact_index.available():
+        logger.warning("the compact index's C extension is not built: measuring ChunkIndex only")
+        kinds.remove("compact")
     results: dict[str, Any] = {"shape": {"nodes": len(NODES), "chunks_per_request": CHAIN}}
-    results["index"] = []
-    for n in sizes:
-        logger.info("index at %d chunks", n)
-        results["index"].append(_in_fresh_process(bench_index, n))
+    for kind in kinds:
+        # The compact index also at 10^7 chunks (ChunkIndex would need ~12 GB there).
+        extra = [10**5] if args.quick else [10**7]
+        rows = results["index" if kind == "chunk" else "compact_index"] = []
+        for n in sizes + (extra if kind == "compact" else []):
+            logger.info("%s index at %d chunks", kind, n)
+            rows.append(_in_fresh_process(bench_index, n, kind))
+        if kind == "compact":  # and with vLLM's key size at the largest
+            rows.append(_in_fresh_process(bench_index, extra[0], kind, VLLM_KEY_BYTES))
+    if "chunk" in kinds and "compact" in kinds:
+        results["compact_vs_chunk"] = _ratios(results["index"], results["compact_index"])
     boundaries = 2 * 10**3 if args.quick else 5 * 10**4
     results["units"] = [
         _in_fresh_process(bench_units, boundaries, ranks, groups)
@@ -251,3 +325,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _in_fresh_process(bench_actor, actor_n, batch) for batch in (1000, 16 if args.quick else 1)
     ]
     return results
+
+
+def _ratios(chunk: list[dict[str, Any]], compact: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per size both measured at: the compact index's rate over ChunkIndex's, and memory."""
+    by_size = {row["chunks"]: row for row in compact if row["key_bytes"] == KEY_BYTES}
+    return [
+        {
+            "chunks": row["chunks"],
+            "ops_speedup": {
+                op: by_size[row["chunks"]]["ops_per_s"][op] / rate
+                for op, rate in row["ops_per_s"].items()
+            },
+            "memory_ratio": by_size[row["chunks"]]["memory_bytes_per_chunk"]
+            / row["memory_bytes_per_chunk"],
+        }
+        for row in chunk
+        if row["chunks"] in by_size
+    ]

@@ -50,5 +50,6 @@ def test_wheel_has_one_top_level_package_holding_every_module(tmp_path: Path) ->
     }
     missing = sorted(expected - set(names))
     assert not missing, f"modules left out of the wheel (add their package to pyproject): {missing}"
-    if can_build_c():  # the verified arena scatter in C (optional without a compiler)
+    if can_build_c():  # the C modules (optional without a compiler)
         assert any(n.startswith("tierstore/data/_fused_copy.") for n in names), names
+        assert any(n.startswith("tierstore/control/_compact_index.") for n in names), names

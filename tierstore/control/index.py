@@ -216,8 +216,10 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
                 chunk.replicas.pop(node, None)
                 chunk.replicas = chunk.replicas or None
         held = self._node_units.pop(node, set())
-        # Units about to go need not be queued as their children leave first.
-        self._dying = {uid for uid in held if not self._rescue(uid, node, actions)}
+        # Units about to go need not be queued as their children leave first. Rescued in
+        # UnitId order, not the set's (which varies with PYTHONHASHSEED): a rescue writes
+        # through to its target's disk while there is room, so the order decides which.
+        self._dying = {uid for uid in sorted(held) if not self._rescue(uid, node, actions)}
         try:
             for uid in self._dying:
                 if uid in self._units:
