@@ -1,9 +1,11 @@
 """Evictor: one per cluster; the index, capacity accounting, leases and eviction policy.
 
-All decisions live in :class:`~tierstore.control.index.ChunkIndex`; this actor adds the
-clock and sends each NodeStore its share of a decision. It never waits on a NodeStore
-(they call it synchronously on store, so waiting back could deadlock): what it sends
-them is one-way, and the calling NodeStore gets its own share in the reply.
+All decisions live in the index (:func:`~tierstore.control.compact_index.make_index`: the
+compact C index, or :class:`~tierstore.control.index.ChunkIndex` for ARC or without the
+C build; the same decisions either way); this actor adds the clock and sends each
+NodeStore its share of a decision. It never waits on a NodeStore (they call it
+synchronously on store, so waiting back could deadlock): what it sends them is one-way,
+and the calling NodeStore gets its own share in the reply.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
 from tierstore.config import TierStoreConfig
+from tierstore.control.compact_index import make_index
 from tierstore.control.events import EventLog
-from tierstore.control.index import Actions, ChunkIndex, Watermarks
+from tierstore.control.index import Actions, Watermarks
 from tierstore.fields import MalformedField, integer
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.wire import (
@@ -55,7 +58,7 @@ class Evictor:
     def __init__(self, cfg: TierStoreConfig) -> None:
         self._cfg = cfg
         self._namespace = cfg.namespace
-        self._index = ChunkIndex(
+        self._index = make_index(
             cfg.eviction_policy,
             Watermarks(cfg.cpu_high_watermark, cfg.cpu_low_watermark),
             replicate_after_loads=cfg.replicate_after_loads,

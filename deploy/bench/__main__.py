@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "dataplane": "tierstore.deploy.bench.dataplane",
     "controlplane": "tierstore.deploy.bench.controlplane",
     "e2e": "tierstore.deploy.bench.e2e",
+    "e2e_hits": "tierstore.deploy.bench.e2e_hits",
     "evictor": "tierstore.deploy.bench.evictor",
     "crossnode": "tierstore.deploy.bench.crossnode",
     "soak": "tierstore.deploy.bench.soak",
@@ -86,7 +87,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     the results and the files written go to the terminal."""
     private_clusters_on_loopback()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.name}-{args.model}" if args.name == "e2e" else args.name
+    stem = f"{args.name}-{args.model}" if args.name in ("e2e", "e2e_hits") else args.name
     log_path = None if args.verbose else args.log_file or args.out / f"{stem}.log"
     if log_path is not None:
         print(f"logs: {log_path.resolve()}", file=sys.stderr)
