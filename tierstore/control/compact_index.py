@@ -28,7 +28,8 @@ adaptive target are a second policy engine in C): the constructor refuses it, an
 :func:`make_index` then builds the reference index instead.
 
 The per-(chunk, node) load counts that decide when a replica is made stay in Python, as
-ChunkIndex's bounded ``OrderedDict``: a few thousand entries, touched once per load.
+ChunkIndex's (:class:`~tierstore.control.index_model.RemoteLoads`): a few thousand
+entries, touched once per load.
 
 The extension is optional at install (no C compiler: :func:`available` is False and
 :func:`make_index` builds a ChunkIndex, the same decisions at the reference's speed).
@@ -41,7 +42,6 @@ dict is new per answer.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from itertools import islice
 from typing import Any
 
@@ -60,6 +60,7 @@ from tierstore.control.index import (
     UnitOffer,
     Watermarks,
 )
+from tierstore.control.index_model import RemoteLoads
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
@@ -71,7 +72,6 @@ except ImportError:  # built without a C compiler: make_index falls back to Chun
     _compact_index = None  # type: ignore[assignment]
 
 _RESTORE_GRACE_HOLDER = "tierstore/restore-grace"  # as ChunkIndex's
-_REMOTE_LOADS_MAX = 1 << 16  # (chunk, node) load counts kept, as ChunkIndex's
 # IndexStats fields the C core counts, in the order of its drain_counts() tuple.
 _CORE_COUNTS = (
     "stored_chunks",
@@ -117,7 +117,7 @@ class CompactChunkIndex:
                 f"replicate_after_loads: expected >= 0 (0 = never), got {replicate_after_loads!r}"
             )
         self._replicate_after = replicate_after_loads
-        self._remote_loads: OrderedDict[tuple[ChunkId, NodeId], int] = OrderedDict()
+        self._remote_loads = RemoteLoads(replicate_after_loads)
         marks = watermarks or Watermarks()
         self._core = _compact_index.Core(
             marks.high,
@@ -288,11 +288,7 @@ class CompactChunkIndex:
             if not counts_here or key in started:
                 continue
             cid = ChunkId(namespace, key)
-            loads = self._remote_loads.pop((cid, node), 0) + 1
-            if loads < self._replicate_after:
-                self._remote_loads[(cid, node)] = loads
-                if len(self._remote_loads) > _REMOTE_LOADS_MAX:
-                    self._remote_loads.popitem(last=False)
+            if not self._remote_loads.due(cid, node):
                 continue
             made, raw = self._core.start_replica(namespace, key, node)
             if made:

@@ -10,6 +10,7 @@ state, shared by its parts and never handed out.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,6 +29,29 @@ logger = logging.getLogger(__name__)
 class ChunkId(NamedTuple):
     namespace: Namespace
     key: ChunkKey
+
+
+class RemoteLoads:
+    """How often each node loaded each chunk from another node, until a replica is due.
+
+    Bounded: at most ``MAX_KEPT`` (chunk, node) counts; the oldest are forgotten."""
+
+    MAX_KEPT = 1 << 16
+
+    def __init__(self, replicate_after: int) -> None:
+        self.replicate_after = replicate_after
+        self._counts: OrderedDict[tuple[ChunkId, NodeId], int] = OrderedDict()
+
+    def due(self, cid: ChunkId, node: NodeId) -> bool:
+        """Count one more load of ``cid`` by ``node``: True (and its count forgotten) when
+        it reaches ``replicate_after``."""
+        loads = self._counts.pop((cid, node), 0) + 1
+        if loads >= self.replicate_after:
+            return True
+        self._counts[(cid, node)] = loads
+        if len(self._counts) > self.MAX_KEPT:
+            self._counts.popitem(last=False)
+        return False
 
 
 class UnitId(NamedTuple):

@@ -25,8 +25,6 @@ from tierstore.control.index_model import (
 from tierstore.control.index_state import IndexState
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
-_REMOTE_LOADS_MAX = 1 << 16  # (chunk, node) load counts kept; the oldest are forgotten
-
 
 class ReplicasMixin(IndexState):
     """Starts, completes, serves, evicts and adopts replicas."""
@@ -43,11 +41,7 @@ class ReplicasMixin(IndexState):
             chunk = self._chunks.get(cid)
             if chunk is None or not chunk.complete or self._holds(chunk, node):
                 continue
-            loads = self._remote_loads.pop((cid, node), 0) + 1
-            if loads < self._replicate_after:
-                self._remote_loads[(cid, node)] = loads
-                if len(self._remote_loads) > _REMOTE_LOADS_MAX:
-                    self._remote_loads.popitem(last=False)
+            if not self._remote_loads.due(cid, node):
                 continue
             self._start_replica(cid, chunk, node, actions)
         return dict(actions)

@@ -17,6 +17,7 @@ from tierstore.control.index_model import (
     Chunk,
     ChunkId,
     IndexStats,
+    RemoteLoads,
     Shard,
     TierAccount,
     Unit,
@@ -46,7 +47,7 @@ class IndexState:
         self._watermarks = watermarks or Watermarks()
         self._replicate_after = replicate_after_loads
         self._replicas_on: dict[NodeId, OrderedDict[ChunkId, None]] = defaultdict(OrderedDict)
-        self._remote_loads: OrderedDict[tuple[ChunkId, NodeId], int] = OrderedDict()
+        self._remote_loads = RemoteLoads(replicate_after_loads)
         self._chunks: dict[ChunkId, Chunk] = {}
         self._units: dict[UnitId, Unit] = {}
         self._orphans: dict[UnitId, set[UnitId]] = defaultdict(set)  # absent parent -> children
