@@ -42,10 +42,13 @@ class _Refusing(_Recording):
 def _with_copier(monkeypatch: pytest.MonkeyPatch, cls: type[_Recording]) -> list[_Recording]:
     made: list[_Recording] = []
 
-    def make(layout: ChunkLayout) -> _Recording:
+    def make(layout: ChunkLayout, bounce_bytes: int | None = None) -> _Recording:
         made.append(cls(layout))
         return made[-1]
 
+    # connect_worker makes the copier (with the config's bounce pool); a worker built
+    # without one makes its own
+    monkeypatch.setattr("tierstore.spec.make_copier", make)
     monkeypatch.setattr("tierstore.vllm.worker.make_copier", make)
     return made
 
