@@ -168,6 +168,10 @@ class TierStoreConfig:
     # its own CPU tier, if that fits below cpu_low_watermark (a copy never evicts
     # anything). Later loads there are local, and survive the holder's loss. 0 = never.
     replicate_after_loads: int = 2
+    # Evictor shards: each owns the prefix trees whose first chunk hashes to it (their
+    # index, leases and eviction), and 1/evictor_shards of every node's tiers. Lookups
+    # and admits of one prefix go to one shard; more shards serve more nodes.
+    evictor_shards: int = 1
     # Pins the model part of the namespace to this name, in place of vLLM's model hash,
     # the model's name and the fingerprint of its weights (the cache settings and the
     # page shape still count): engines that load the same weights from different paths
@@ -352,6 +356,18 @@ def _check_replication(cfg: TierStoreConfig) -> None:
         )
 
 
+MAX_EVICTOR_SHARDS = 256
+
+
+def _check_shards(cfg: TierStoreConfig) -> None:
+    value = cfg.evictor_shards
+    if not _is_int(value) or not 1 <= value <= MAX_EVICTOR_SHARDS:
+        raise ConfigError(
+            f"evictor_shards: expected a number of shards from 1 to {MAX_EVICTOR_SHARDS}, "
+            f"got {value!r}"
+        )
+
+
 def _check_bounce(cfg: TierStoreConfig) -> None:
     value = cfg.pinned_bounce_bytes
     if not _is_int(value) or value < MIN_PINNED_BOUNCE_BYTES:
@@ -389,6 +405,7 @@ _CHECKS: tuple[Callable[[TierStoreConfig], None], ...] = (
     _check_policy,
     _check_watermarks,
     _check_replication,
+    _check_shards,
     _check_timeouts,
     _check_model_identity,
     _check_bounce,
@@ -410,6 +427,7 @@ ACTOR_KEYS: tuple[str, ...] = (
     "cpu_high_watermark",
     "cpu_low_watermark",
     "replicate_after_loads",
+    "evictor_shards",
 )
 ENGINE_KEYS: tuple[str, ...] = (
     "namespace",

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import NamedTuple, NewType
 
+import xxhash
+
 # vLLM's OffloadKey bytes: block hash + group index (big-endian uint32).
 ChunkKey = NewType("ChunkKey", bytes)
 # Ray node id (hex).
@@ -42,6 +44,24 @@ class ShardId(NamedTuple):
 def boundary_of(key: ChunkKey) -> bytes:
     """The block hash: the same for every group's chunk ending at one token boundary."""
     return key[:-_GROUP_SUFFIX_BYTES]
+
+
+def root_of(namespace: Namespace, first_key: ChunkKey) -> int:
+    """The root of a prefix tree: a 64-bit hash of the namespace and the token boundary
+    of a request's first chunk (``first_key``, any group's). Every chunk of the request's
+    prefix, of every group and rank, and of every request sharing its first chunk, has
+    this root: block hashes are chained, so a boundary names its whole prefix. Never 0
+    (0 stands for "not known")."""
+    return xxhash.xxh3_64_intdigest(boundary_of(first_key), seed=_seed(namespace)) or 1
+
+
+def _seed(namespace: Namespace) -> int:
+    return xxhash.xxh3_64_intdigest(namespace.encode())
+
+
+def shard_of(root: int, shards: int) -> int:
+    """The Evictor shard that owns the prefix tree of ``root`` (0 when not known)."""
+    return root % shards
 
 
 def group_of(key: ChunkKey) -> int:
