@@ -29,6 +29,7 @@ MAX_GROUPS = 1 << 16  # KV cache groups of one model: a handful
 MAX_WORLD_SIZE = 1 << 31  # as the disk tier's chunk header bounds it
 MAX_SHARD_BYTES = 1 << 62  # as the disk tier's chunk header bounds a payload
 MAX_SLOTS = 1 << 12  # slots (blocks) of one chunk: its slot mask has at most this many bits
+ROOT_LIMIT = 1 << 64  # a prefix tree's root (tierstore.keys.root_of) is a 64-bit hash; 0: unknown
 # tierstore's namespaces are hex digests (the disk tier takes nothing else); tests and the
 # object path also see short readable names. ASCII only, matched in full.
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.-]{1,128}", re.ASCII)
@@ -88,6 +89,12 @@ def parent_key(field: str, value: object, key: ChunkKey) -> ChunkKey | None:
     if len(parent) != len(key):
         raise MalformedField(field, value, f"{len(parent)} bytes, its key {len(key)}")
     return parent
+
+
+def root(field: str, value: object) -> int:
+    """A prefix tree's root (:func:`tierstore.keys.root_of`): an int in ``[0, 2**64)``,
+    0 where the sender does not know it."""
+    return integer(field, value, 0, ROOT_LIMIT)
 
 
 def namespace(field: str, value: object) -> Namespace:

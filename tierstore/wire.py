@@ -21,6 +21,14 @@ from a process that is trusted with nothing (:mod:`tierstore.fields`), raising
 :class:`~tierstore.fields.MalformedField`. Clients apply them to answers, actors to
 arguments: nothing else converts. Ray-free, vLLM-free, and light: a process that only
 talks to the actors (the engine's scheduler and workers) loads no tier or index code.
+
+Each chunk carries its prefix tree's ``root`` (:func:`tierstore.keys.root_of`, 0 when
+not known): the scheduler computes it per request, a worker sends it in each
+:class:`ShardEntry`, the NodeStore keeps it in the shard's :class:`ShardMeta` (and its
+disk header) and offers it in each :class:`ShardOffer`. It says which Evictor shard
+indexes the chunk (:func:`tierstore.keys.shard_of`); the index itself ignores it. Each
+``root`` is a new LAST field with a default, so a sender that leaves it out (an older
+one) is read as root 0.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from tierstore.fields import (
     rank_in,
     row,
 )
+from tierstore.fields import root as check_root
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, boundary_of
 
 logger = logging.getLogger(__name__)
@@ -57,7 +66,8 @@ T_co = TypeVar("T_co", covariant=True)
 
 MAX_ENTRIES = 1 << 20  # shards of one call (a 32k-token prefill of 16-token blocks: 2048)
 MAX_ITEMS = 1 << 32  # of one list a NodeStore sends the Evictor (its inventory, at restore)
-_ENTRY_FIELDS = len(("key", "offset", "nbytes", "digest", "slot_mask", "parent"))
+_ENTRY_FIELDS = len(("key", "offset", "nbytes", "digest", "slot_mask", "parent", "root"))
+_OFFER_FIELDS = len(("namespace", "key", "rank", "world_size", "nbytes", "parent", "root"))
 
 
 class Reply(Protocol[T_co]):
@@ -88,6 +98,7 @@ class ShardMeta:
     slot_mask: int  # bit i set = sub-slot i of the chunk holds data that was written
     world_size: int = 1  # ranks that make the chunk whole (kept for restart recovery)
     parent: bytes | None = None  # previous chunk key of the same group in its prefix chain
+    root: int = 0  # its prefix tree's root (which Evictor shard indexes it); 0: not known
 
 
 def metas_of(values: Iterable[Any]) -> list[ShardMeta]:
@@ -116,6 +127,7 @@ class ShardEntry(NamedTuple):
     digest: int
     slot_mask: int
     parent: ChunkKey | None = None
+    root: int = 0  # the request's prefix tree (tierstore.keys.root_of); 0: not known
 
 
 class RefusedCommit(TierStoreError, ValueError):
@@ -126,15 +138,18 @@ class RefusedCommit(TierStoreError, ValueError):
 def check_entry(value: object, field: str = "entry") -> ShardEntry:
     """``value`` (a ShardEntry, or the list msgpack made of one) with every field's type
     and range checked, rebuilt of plain ints and bytes. Raises MalformedField."""
-    values = row(field, value, _ENTRY_FIELDS - 1, _ENTRY_FIELDS)
-    key = chunk_key(f"{field}.key", values[0])
+    key_, offset, nbytes, digest, slot_mask, *rest = row(
+        field, value, _ENTRY_FIELDS - 2, _ENTRY_FIELDS
+    )
+    key = chunk_key(f"{field}.key", key_)
     return ShardEntry(
         key,
-        integer(f"{field}.offset", values[1], 0, MAX_SHARD_BYTES),
-        integer(f"{field}.nbytes", values[2], 1, MAX_SHARD_BYTES),
-        integer(f"{field}.digest", values[3], 0, 1 << 64),
-        integer(f"{field}.slot_mask", values[4], 0, 1 << MAX_SLOTS),
-        parent_key(f"{field}.parent", values[5] if len(values) == _ENTRY_FIELDS else None, key),
+        integer(f"{field}.offset", offset, 0, MAX_SHARD_BYTES),
+        integer(f"{field}.nbytes", nbytes, 1, MAX_SHARD_BYTES),
+        integer(f"{field}.digest", digest, 0, 1 << 64),
+        integer(f"{field}.slot_mask", slot_mask, 0, 1 << MAX_SLOTS),
+        parent_key(f"{field}.parent", rest[0] if rest else None, key),
+        check_root(f"{field}.root", rest[1]) if len(rest) > 1 else 0,
     )
 
 
@@ -230,12 +245,15 @@ class ShardOffer(NamedTuple):
     world_size: int
     nbytes: int
     parent: ChunkKey | None = None  # the previous chunk of its prefix chain, if known
+    root: int = 0  # its prefix tree's root (tierstore.keys.root_of); 0: not known
 
 
 def check_offer(value: object, field: str = "offer") -> ShardOffer:
     """An offer from a NodeStore (a ShardOffer, or the list msgpack made of one), every
     field's type and range checked, rebuilt. Raises MalformedField naming the field."""
-    namespace, key, rank, world_size, nbytes, *parent = row(field, value, 5, 6)
+    namespace, key, rank, world_size, nbytes, *rest = row(
+        field, value, _OFFER_FIELDS - 2, _OFFER_FIELDS
+    )
     checked_key = chunk_key(f"{field}.key", key)
     rank, world_size = rank_in(field, rank, world_size)
     return ShardOffer(
@@ -244,22 +262,34 @@ def check_offer(value: object, field: str = "offer") -> ShardOffer:
         rank,
         world_size,
         integer(f"{field}.nbytes", nbytes, 1, MAX_SHARD_BYTES),
-        parent_key(f"{field}.parent", parent[0] if parent else None, checked_key),
+        parent_key(f"{field}.parent", rest[0] if rest else None, checked_key),
+        check_root(f"{field}.root", rest[1]) if len(rest) > 1 else 0,
     )
 
 
 class UnitOffer(NamedTuple):
     """The shards of one token boundary a NodeStore's batch offers together: every
     rank's and every KV cache group's that arrived in it, admitted as one (one room
-    decision for the whole unit). A unit's later ranks may come in a later offer."""
+    decision for the whole unit). A unit's later ranks may come in a later offer.
 
-    shards: list[ShardOffer]  # one namespace and boundary; each (key, rank) once
+    Its shards share one root (a boundary names its whole prefix, so every shard there
+    has its tree's root): the unit's :attr:`root`, which says the Evictor shard that
+    admits it."""
+
+    shards: list[ShardOffer]  # one namespace, boundary and root; each (key, rank) once
+
+    @property
+    def root(self) -> int:
+        """The unit's prefix tree root: its shards' (0: not known)."""
+        return self.shards[0].root if self.shards else 0
 
 
 def check_unit_offer(value: object, field: str = "unit") -> UnitOffer:
     """A unit offer from a NodeStore, each shard checked (:func:`check_offer`), all of
-    one namespace and token boundary, no (key, rank) twice, one world size per key.
-    Raises MalformedField naming the field: a unit is refused whole."""
+    one namespace, token boundary and root, no (key, rank) twice, one world size per
+    key. Raises MalformedField naming the field: a unit is refused whole (a NodeStore
+    never mixes roots in a unit: its shards' roots came from requests that share the
+    boundary, hence its whole prefix; mixed ones would put it in two Evictor shards)."""
     (shard_values,) = row(field, value, 1, 1)
     shards = [
         check_offer(v, f"{field}.shards[{i}]")
@@ -276,6 +306,8 @@ def check_unit_offer(value: object, field: str = "unit") -> UnitOffer:
             raise MalformedField(f"{where}.namespace", offer.namespace, "not the unit's")
         if boundary_of(offer.key) != boundary_of(first.key):
             raise MalformedField(f"{where}.key", offer.key, "not at the unit's boundary")
+        if offer.root != first.root:
+            raise MalformedField(f"{where}.root", offer.root, "not the unit's")
         if worlds.setdefault(offer.key, offer.world_size) != offer.world_size:
             raise MalformedField(f"{where}.world_size", offer.world_size, "not its key's")
         if (offer.key, offer.rank) in seen:
@@ -286,7 +318,9 @@ def check_unit_offer(value: object, field: str = "unit") -> UnitOffer:
 
 def units_of(offers: Iterable[ShardOffer]) -> list[UnitOffer]:
     """``offers`` grouped into unit offers, one per (namespace, boundary), in order of
-    first appearance; each shard's place is kept (see :func:`per_shard`)."""
+    first appearance; each shard's place is kept (see :func:`per_shard`). A unit takes
+    its shards' root as they come (mixed roots, which correct workers never send, are
+    refused by the Evictor with the unit: :func:`check_unit_offer`)."""
     units: dict[tuple[str, bytes], list[ShardOffer]] = {}
     for offer in offers:
         units.setdefault((offer.namespace, boundary_of(offer.key)), []).append(offer)
@@ -326,7 +360,7 @@ def held_shard(value: object) -> ShardId | None:
     is told to drop its copy: the index will not count it), else None."""
     try:
         offer = row("held", value, 2, 2)[0]
-        return check_shard_id(row("held.offer", offer, 5, 6)[:3])
+        return check_shard_id(row("held.offer", offer, _OFFER_FIELDS - 2, _OFFER_FIELDS)[:3])
     except MalformedField:
         return None
 
