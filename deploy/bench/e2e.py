@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +114,62 @@ def _override(item: str) -> tuple[str, Any]:
         return key, text
 
 
-def run_order(passes: int) -> list[tuple[str, int]]:
+def run_order(passes: int, modes: tuple[str, ...] = MODES) -> list[tuple[str, int]]:
     """(mode, pass) in the order the engines run: forward, then back, and so on."""
     order: list[tuple[str, int]] = []
     for n in range(passes):
-        order += [(mode, n) for mode in (MODES if n % 2 == 0 else MODES[::-1])]
+        order += [(mode, n) for mode in (modes if n % 2 == 0 else modes[::-1])]
     return order
+
+
+@dataclass(frozen=True)
+class EngineRuns:
+    """What every engine of one benchmark run shares: the model built for ``choice``, the
+    OpenMP binding, the ``--set`` overrides, the folder for the engines' files."""
+
+    choice: str
+    model: Path
+    binding: str
+    overrides: dict[str, Any]
+    work: Path
+
+    @classmethod
+    def prepare(cls, args: argparse.Namespace, choice: str, name: str) -> EngineRuns:
+        """Builds the model (cached) and ``args.out/<name>-<choice>-work``."""
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
+        overrides = dict(_override(item) for item in getattr(args, "set", None) or [])
+        work = args.out / f"{name}-{choice}-work"
+        work.mkdir(parents=True, exist_ok=True)
+        return cls(choice, model, omp_binding(), overrides, work)
+
+    def run(
+        self,
+        setup: dict[str, Any],
+        order: list[tuple[str, int]],
+        disk_root: Path | None,
+        namespace: str,
+    ) -> tuple[str, dict[str, list[dict[str, Any]]]]:
+        """Each (mode, pass) of ``order`` as an engine of its own, in one Ray session; pass
+        n's tierstore actors live in namespace ``<namespace>-<n>`` (stopped at the end).
+        Returns the cluster's address and each mode's runs in order."""
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _ in order}
+        passes = sorted({n for _, n in order})
+        with (
+            tempfile.TemporaryDirectory(prefix="tierstore-bench-disk-", dir=disk_root) as disk,
+            ray_session(NAMESPACE) as address,
+        ):
+            try:
+                for mode, n in order:
+                    space = Path(disk) / f"run{n}"
+                    plan = _plan(setup, self.model, mode, space, f"{namespace}-{n}", self.overrides)
+                    runs[mode].append(
+                        _run_engine(plan, address, self.work, f"{mode}-{n}", self.binding)
+                    )
+            finally:  # each tierstore run's actors (ray_session stops NAMESPACE's only)
+                for n in passes:
+                    shutdown_actors(f"{namespace}-{n}")
+        return address, runs
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -360,26 +411,10 @@ def targets(summary: dict[str, dict[str, Any]]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     choice = getattr(args, "model", None) or "tiny"
     setup = setup_for(choice, args.quick)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
-    binding = omp_binding()
-    overrides = dict(_override(item) for item in getattr(args, "set", None) or [])
-    work = args.out / f"e2e-{choice}-work"
-    work.mkdir(parents=True, exist_ok=True)
-    with (
-        tempfile.TemporaryDirectory(prefix="tierstore-bench-disk-", dir=args.disk_root) as disk,
-        ray_session(NAMESPACE) as address,
-    ):
-        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-        passes = 1 if args.quick else 2
-        try:
-            for mode, n in run_order(passes):
-                space = Path(disk) / f"run{n}"
-                plan = _plan(setup, model, mode, space, f"{NAMESPACE}-{n}", overrides)
-                runs[mode].append(_run_engine(plan, address, work, f"{mode}-{n}", binding))
-        finally:  # each tierstore run's actors (ray_session stops NAMESPACE's only)
-            for n in range(passes):
-                shutdown_actors(f"{NAMESPACE}-{n}")
+    engines = EngineRuns.prepare(args, choice, "e2e")
+    binding, overrides = engines.binding, engines.overrides
+    passes = 1 if args.quick else 2
+    address, runs = engines.run(setup, run_order(passes), args.disk_root, NAMESPACE)
     raw = {mode: pooled(runs[mode]) for mode in MODES}
     summary = {mode: {name: summarize(w) for name, w in raw[mode].items()} for mode in MODES}
     return {

@@ -19,25 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierstore.actors.bootstrap import shutdown_actors
-from tierstore.deploy.bench.common import machine_info, ray_session
+from tierstore.deploy.bench.common import machine_info
 from tierstore.deploy.bench.e2e import (
     NAMESPACE,
-    _override,
-    _plan,
-    _run_engine,
+    EngineRuns,
     breakdown_vs,
-    omp_binding,
     pooled,
+    run_order,
     summarize,
 )
 from tierstore.deploy.bench.e2e_setups import MODELS, setup_for
-from tierstore.deploy.models import make_tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +54,21 @@ def setup(model: str, count: int | None = None) -> dict[str, Any]:
     }
 
 
-def run_order(passes: int) -> list[tuple[str, int]]:
-    order: list[tuple[str, int]] = []
-    for n in range(passes):
-        order += [(mode, n) for mode in (MODES if n % 2 == 0 else MODES[::-1])]
-    return order
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     choice = args.model
     passes = getattr(args, "passes", 1)  # tierstore bench has neither option
     plan_setup = setup(choice, getattr(args, "count", None))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    model = make_tiny_model(MODELS[choice], Path(tempfile.gettempdir()) / "tierstore-models")
-    binding = omp_binding()
-    overrides = dict(_override(item) for item in getattr(args, "set", None) or [])
-    work = args.out / f"e2e-hits-{choice}-work"
-    work.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-    with (
-        tempfile.TemporaryDirectory(prefix="tierstore-bench-disk-") as disk,
-        ray_session(NAMESPACE) as address,
-    ):
-        try:
-            for mode, n in run_order(passes):
-                space = Path(disk) / f"run{n}"
-                plan = _plan(plan_setup, model, mode, space, f"{NAMESPACE}-hits-{n}", overrides)
-                runs[mode].append(_run_engine(plan, address, work, f"{mode}-{n}", binding))
-        finally:
-            for n in range(passes):
-                shutdown_actors(f"{NAMESPACE}-hits-{n}")
+    engines = EngineRuns.prepare(args, choice, "e2e-hits")
+    binding, overrides = engines.binding, engines.overrides
+    order = run_order(passes, MODES)
+    _, runs = engines.run(plan_setup, order, None, f"{NAMESPACE}-hits")
     summary = {mode: summarize(pooled(runs[mode])["hit_pass"]) for mode in MODES}
     ts, ref = summary["tierstore"], summary["reference"]
     return {
         "model": choice,
         "omp_threads_bind": binding,
         "tierstore_overrides": overrides,
-        "engine_runs": [f"{mode}-{n}" for mode, n in run_order(passes)],
+        "engine_runs": [f"{mode}-{n}" for mode, n in order],
         "setup": dict(plan_setup) | {"model": MODELS[choice]},
         "machine": machine_info(),
         "targets": {
