@@ -97,6 +97,7 @@ _BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "world_size": _not_int | st.integers(-(1 << 63), 0) | st.integers(1 << 31, _U64),
     "parent": _values.filter(lambda v: v is not None and not isinstance(v, bytes))
     | st.integers(1 << 40, _U64),  # bytes(int) would allocate that much
+    "root": _not_int | _negative,  # absent in GOOD (written before roots): root 0
 }
 
 

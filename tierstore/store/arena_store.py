@@ -168,7 +168,12 @@ class ArenaStore:
         for item, ok in zip(items, accepted, strict=True):
             entry, shard_id = item.entry, item.shard_id
             meta = ShardMeta(
-                entry.nbytes, entry.digest, entry.slot_mask, item.world_size, entry.parent
+                entry.nbytes,
+                entry.digest,
+                entry.slot_mask,
+                item.world_size,
+                entry.parent,
+                entry.root,
             )
             if not ok:
                 self._counters.add(skipped_shards=1)

@@ -179,7 +179,9 @@ class NodeStoreCore:
                 logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
                 lost.append(shard_id)
                 continue
-            meta = ShardMeta(entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent)
+            meta = ShardMeta(
+                entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent, entry.root
+            )
             if not self.hold(shard_id, StoredShard(meta, data), shard_id in to_disk):
                 lost.append(shard_id)
                 continue
@@ -199,7 +201,10 @@ class NodeStoreCore:
     ) -> tuple[list[bool], set[ShardId], list[ShardId]]:
         """The Evictor's admission of one rank's batch (:meth:`admit_offers`)."""
         return self.admit_offers(
-            [ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent) for e in entries]
+            [
+                ShardOffer(namespace, e.key, rank, world_size, e.nbytes, e.parent, e.root)
+                for e in entries
+            ]
         )
 
     def admit_offers(
@@ -497,7 +502,13 @@ class NodeStoreCore:
 def _offer(shard_id: ShardId, meta: ShardMeta) -> ShardOffer:
     parent = None if meta.parent is None else ChunkKey(meta.parent)
     return ShardOffer(
-        shard_id.namespace, shard_id.key, shard_id.rank, meta.world_size, meta.nbytes, parent
+        shard_id.namespace,
+        shard_id.key,
+        shard_id.rank,
+        meta.world_size,
+        meta.nbytes,
+        parent,
+        meta.root,
     )
 
 

@@ -45,7 +45,9 @@ class Committed:
     @property
     def offer(self) -> ShardOffer:
         e = self.entry
-        return ShardOffer(self.namespace, e.key, self.rank, self.world_size, e.nbytes, e.parent)
+        return ShardOffer(
+            self.namespace, e.key, self.rank, self.world_size, e.nbytes, e.parent, e.root
+        )
 
 
 @dataclass

@@ -7,10 +7,13 @@ Format::
 The checksum makes a header torn by a crash (its page only partly written) a refusal at
 start-up rather than a chunk indexed under a wrong field. The map holds namespace, key,
 group, rank, payload length, slot mask, checksum algorithm and digest, plus what the
-Evictor needs to re-index the chunk after a restart (the world size and the chunk's
-parent in its prefix chain). Anyone who can write the disk directory can craft one, so
-decoding is bounded and every field is type- and range-checked: a bad header raises
-ValueError (or one of :data:`UNREADABLE`), nothing else.
+Evictor needs to re-index the chunk after a restart (the world size, the chunk's
+parent in its prefix chain, and its prefix tree's root: which Evictor shard indexes it).
+A header written before the root was kept has no "root" field and reads as root 0 (not
+known: Evictor shard 0), so existing disk tiers keep working. Anyone who can write the
+disk directory can craft one, so decoding is bounded and every field is type- and
+range-checked: a bad header raises ValueError (or one of :data:`UNREADABLE`), nothing
+else.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import msgpack
 
 from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta
-from tierstore.fields import MAX_SLOTS
+from tierstore.fields import MAX_SLOTS, ROOT_LIMIT
 from tierstore.keys import ChunkKey, Namespace, ShardId, group_of
 
 MAGIC = b"TSC2"
@@ -32,8 +35,9 @@ MAX_HEADER_BYTES = 2048  # a header is ~150 bytes; anything bigger is corruption
 HEX = re.compile(r"[0-9a-f]{1,64}")  # fullmatch only: "$" would also take a trailing "\n"
 _FIELDS = frozenset(
     {"namespace", "key", "group", "rank", "length", "slot_mask", "checksum", "digest"}
-    | {"world_size", "parent"}
+    | {"world_size", "parent", "root"}
 )
+_FIELDS_WITHOUT_ROOT = _FIELDS - {"root"}  # as written before the root was kept
 # What decoding a damaged or crafted header may raise (msgpack's errors are ValueErrors;
 # its depth limit, StackError, too).
 UNREADABLE = (OSError, ValueError, msgpack.UnpackException)
@@ -60,6 +64,7 @@ def encode_header(shard_id: ShardId, meta: ShardMeta) -> bytes:
             "digest": meta.digest,
             "world_size": meta.world_size,
             "parent": meta.parent,
+            "root": meta.root,
         }
     )
     if len(header) > MAX_HEADER_BYTES:
@@ -118,7 +123,7 @@ def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
     """A decoded header's shard id and metadata; every field type- and range-checked, so
     a crafted header raises ValueError and nothing else (``int(inf)`` raises
     OverflowError, ``bytes(10**12)`` allocates a terabyte: never call them on it)."""
-    if header.keys() != _FIELDS:
+    if header.keys() != _FIELDS and header.keys() != _FIELDS_WITHOUT_ROOT:
         raise ValueError(f"header fields {sorted(map(str, header))} are not {sorted(_FIELDS)}")
     if _field(header, "checksum", str) != CHECKSUM_ALGORITHM:
         raise ValueError(f"unknown checksum {header['checksum']!r}")
@@ -140,5 +145,6 @@ def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
         _slot_mask(header),
         world_size,
         parent,
+        _bounded(header, "root", 0, ROOT_LIMIT) if "root" in header else 0,
     )
     return shard_id, meta
