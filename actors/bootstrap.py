@@ -1,7 +1,8 @@
 """Joining the Ray cluster and starting or finding tierstore's actors.
 
-Both actors are named and detached in the configured Ray namespace, so they outlive any
-engine and a later engine, in a new process, finds the chunks an earlier one stored.
+Every actor (the Evictor's shards, a NodeStore per node) is named and detached in the
+configured Ray namespace, so they outlive any engine and a later engine, in a new
+process, finds the chunks an earlier one stored.
 Their owner is ``tierstore down`` (:func:`shutdown_actors`).
 """
 
@@ -22,16 +23,12 @@ from typing import cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tierstore.actors.calls import Pending
-from tierstore.actors.clients import EvictorClient, NodeStoreClient
+from tierstore.actors.clients import DEFAULT_TIMEOUT_S, EvictorClient, NodeStoreClient
 from tierstore.actors.evictor import Evictor
-from tierstore.actors.placement import (
-    EVICTOR_NAME,
-    alive_node_ids,
-    node_store_name,
-    place_node_store,
-)
+from tierstore.actors.names import evictor_name
+from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
-from tierstore.config import TierStoreConfig, check_running_config
+from tierstore.config import MAX_EVICTOR_SHARDS, TierStoreConfig, check_running_config
 from tierstore.errors import ClusterUnavailableError
 from tierstore.private_files import LockTimeoutError, locked_file, user_dir
 
@@ -160,42 +157,85 @@ def _start_local_head() -> None:
 
 
 def get_or_create_evictor(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
-    """Created next to its first caller (`tierstore up` runs on the head node, which
-    lives as long as the cluster); soft, so a restart after that node's loss goes
-    elsewhere. Blocks until it answers which config it runs with (up to
-    ``START_TIMEOUT_S``): one started earlier with other values of
-    :data:`~tierstore.config.ACTOR_KEYS` raises
-    :class:`~tierstore.config.ConfigMismatchError` naming them."""
+    """Evictor shard 0's handle, after every shard is started or found and checked
+    (:func:`get_or_create_evictors`); what a caller of shard 0 alone holds."""
+    return get_or_create_evictors(cfg)[0]
+
+
+def evictor_clients(
+    cfg: TierStoreConfig, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[EvictorClient]:
+    """One client per Evictor shard, in shard order (index = shard), each with
+    ``timeout_s`` as its deadline; the shards are started or found and checked first
+    (:func:`get_or_create_evictors`)."""
+    return [EvictorClient(handle, timeout_s) for handle in get_or_create_evictors(cfg)]
+
+
+def get_or_create_evictors(cfg: TierStoreConfig) -> list[ray.actor.ActorHandle]:
+    """Every Evictor shard (``cfg.evictor_shards``, named
+    :func:`~tierstore.actors.names.evictor_name`), in shard order.
+
+    Shard 0 is created next to its first caller (`tierstore up` runs on the head node,
+    which lives as long as the cluster), shard ``i`` on the ``i``-th alive node after
+    it (round-robin); soft, so a restart after that node's loss goes elsewhere. Shard 0
+    is started and its config checked before the others start: one started earlier with
+    other values of :data:`~tierstore.config.ACTOR_KEYS` (``evictor_shards`` among them)
+    raises :class:`~tierstore.config.ConfigMismatchError` naming them, and nothing more
+    is started. Blocks until every shard answers which config it runs with (up to
+    ``START_TIMEOUT_S`` in all)."""
     here = ray.get_runtime_context().get_node_id()
+    others = sorted(alive_node_ids() - {here})
+    nodes = [here, *others]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    first = _start_evictor(cfg, 0, here)
+    _check_evictor(cfg, 0, EvictorClient(first, START_TIMEOUT_S).config(), deadline)
+    rest = [_start_evictor(cfg, i, nodes[i % len(nodes)]) for i in range(1, cfg.evictor_shards)]
+    answers = [EvictorClient(handle, START_TIMEOUT_S).config() for handle in rest]
+    for shard, answer in enumerate(answers, start=1):
+        _check_evictor(cfg, shard, answer, deadline)
+    return [first, *rest]
+
+
+def _start_evictor(cfg: TierStoreConfig, shard: int, node_id: str) -> ray.actor.ActorHandle:
+    """Start (or find) Evictor shard ``shard``, softly on ``node_id``; never waits."""
     # Ray's stubs type .remote() on a class as the class or its handle: it is a handle.
-    handle = cast(
+    return cast(
         "ray.actor.ActorHandle",
         ray.remote(Evictor)
         .options(
-            name=EVICTOR_NAME,
+            name=evictor_name(shard),
             namespace=cfg.namespace,
             lifetime="detached",
             get_if_exists=True,
             num_cpus=0,
             # Killed or crashed, it comes back and rebuilds its index from the NodeStores.
             max_restarts=-1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True),
         )
-        .remote(cfg),
+        .remote(cfg, shard),
     )
-    running = EvictorClient(handle, START_TIMEOUT_S).config().result()
-    check_running_config(cfg, running, "the Evictor")
-    return handle
+
+
+def _check_evictor(
+    cfg: TierStoreConfig, shard: int, answer: Pending[TierStoreConfig], deadline: float
+) -> None:
+    running = answer.result(max(0.0, deadline - time.monotonic()))
+    check_running_config(cfg, running, _evictor_what(shard, cfg.evictor_shards))
+
+
+def _evictor_what(shard: int, shards: int) -> str:
+    """How errors name an Evictor shard ("the Evictor" when there is one)."""
+    return "the Evictor" if shards == 1 else f"Evictor shard {shard}"
 
 
 def get_or_create_node_store(
     cfg: TierStoreConfig, node_id: str | None = None
 ) -> ray.actor.ActorHandle:
     """The NodeStore of ``node_id`` (default: this process's node), pinned to it; after
-    the Evictor's config is checked (:func:`get_or_create_evictor`), so a config that
+    the Evictor shards' configs are checked (:func:`get_or_create_evictors`), so a config that
     differs starts nothing. Returns without waiting on the NodeStore."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
-    get_or_create_evictor(cfg)
+    get_or_create_evictors(cfg)
     return place_node_store(cfg, node_id)
 
 
@@ -207,17 +247,17 @@ def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
 
 
 def start_actors(cfg: TierStoreConfig) -> list[Pending[TierStoreConfig]]:
-    """Start (or find) the Evictor and one NodeStore on every alive node. Blocks until
-    the Evictor answers (a config that differs from its raises there, before any
+    """Start (or find) every Evictor shard and one NodeStore on every alive node. Blocks
+    until the shards answer (a config that differs from theirs raises there, before any
     NodeStore starts); returns one ``config`` call per actor, each answered once that
     actor is up, with ``START_TIMEOUT_S`` as its deadline (a caller may show progress,
     and checks each with :func:`check_started`)."""
-    evictor = EvictorClient(get_or_create_evictor(cfg), START_TIMEOUT_S)
+    evictors = evictor_clients(cfg, START_TIMEOUT_S)
     stores = [
         NodeStoreClient(place_node_store(cfg, node_id), node_id, START_TIMEOUT_S)
         for node_id in sorted(alive_node_ids())
     ]
-    return [evictor.config(), *[store.config() for store in stores]]
+    return [*[evictor.config() for evictor in evictors], *[store.config() for store in stores]]
 
 
 def check_started(
@@ -230,7 +270,8 @@ def check_started(
 
 
 def ensure_actors(cfg: TierStoreConfig) -> None:
-    """Evictor plus one NodeStore on every alive node; returns once all answer, within
+    """Every Evictor shard plus one NodeStore on every alive node; returns once all
+    answer, within
     ``START_TIMEOUT_S`` in all."""
     deadline = time.monotonic() + START_TIMEOUT_S
     for started in start_actors(cfg):
@@ -238,8 +279,11 @@ def ensure_actors(cfg: TierStoreConfig) -> None:
 
 
 def shutdown_actors(namespace: str) -> int:
-    """Stop every tierstore actor in ``namespace``: graceful first, then forced."""
-    names = [EVICTOR_NAME] + [node_store_name(n["NodeID"]) for n in ray.nodes()]
+    """Stop every tierstore actor in ``namespace``: graceful first, then forced. The
+    Evictor shards go first, the last shard first (:func:`running_evictor_names`), then
+    the NodeStores."""
+    names = running_evictor_names(namespace)[::-1]
+    names += [node_store_name(n["NodeID"]) for n in ray.nodes()]
     stopped = 0
     for name in names:
         try:
@@ -255,6 +299,19 @@ def shutdown_actors(namespace: str) -> int:
     while time.monotonic() < deadline and any(_exists(n, namespace) for n in names):
         time.sleep(0.1)
     return stopped
+
+
+def running_evictor_names(namespace: str) -> list[str]:
+    """The names of the Evictor shards running in ``namespace``, in shard order, with no
+    config in hand: shard 0, 1, ... up to the first one missing. Shards are stopped last
+    first (:func:`shutdown_actors`), so one stopped half-way still leaves shards
+    0..k-1 to find."""
+    names = []
+    for shard in range(MAX_EVICTOR_SHARDS):
+        if not _exists(evictor_name(shard), namespace):
+            break
+        names.append(evictor_name(shard))
+    return names
 
 
 def _exists(name: str, namespace: str) -> bool:

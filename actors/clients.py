@@ -49,7 +49,8 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 class EvictorClient:
-    """The Evictor actor (``tierstore.actors.evictor.Evictor``)."""
+    """One Evictor shard (``tierstore.actors.evictor.Evictor``); a caller of every shard
+    holds one client each (``tierstore.actors.bootstrap.evictor_clients``)."""
 
     def __init__(self, handle: ray.actor.ActorHandle, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.handle = handle
@@ -181,8 +182,8 @@ class NodeStoreClient:
             return Pending(what, ref, self.timeout_s, keep_alive=keep_alive)
         return Pending(what, ref, self.timeout_s, convert, keep_alive=keep_alive)
 
-    def reregister(self) -> Pending[int]:
-        return self._call("reregister")
+    def reregister(self, shard: int | None = None) -> Pending[int]:
+        return self._call("reregister", shard)
 
     def store(
         self,

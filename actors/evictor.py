@@ -1,4 +1,6 @@
-"""Evictor: one per cluster; the index, capacity accounting, leases and eviction policy.
+"""Evictor: the index, capacity accounting, leases and eviction policy, in
+``evictor_shards`` actors (shards): shard ``i`` owns the prefix trees whose root maps to
+it (:func:`~tierstore.keys.shard_of`) and ``1/evictor_shards`` of every node's tiers.
 
 All decisions live in the index (:func:`~tierstore.control.compact_index.make_index`: the
 compact C index, or :class:`~tierstore.control.index.ChunkIndex` for ARC or without the
@@ -24,6 +26,7 @@ from tierstore.config import TierStoreConfig
 from tierstore.control.compact_index import make_index
 from tierstore.control.events import EventLog
 from tierstore.control.index import Actions, Watermarks
+from tierstore.errors import ConfigError
 from tierstore.fields import MalformedField, integer
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.wire import (
@@ -52,11 +55,19 @@ _RECONCILE_TIMEOUT_S = 60.0
 
 
 class Evictor:
-    """Also keeps one NodeStore on every alive node: a node that joins gets one within
-    a reconcile period, and a node that leaves has its chunks forgotten."""
+    """One shard of the index (``shard``, of ``cfg.evictor_shards``). Shard 0 also keeps
+    one NodeStore on every alive node: a node that joins gets one within a reconcile
+    period. Every shard forgets the chunks of a node that leaves, and has a NodeStore it
+    does not know offer it its share again (:meth:`reconcile`)."""
 
-    def __init__(self, cfg: TierStoreConfig) -> None:
+    def __init__(self, cfg: TierStoreConfig, shard: int = 0) -> None:
+        if not 0 <= shard < cfg.evictor_shards:
+            raise ConfigError(
+                f"Evictor shard {shard!r}: expected 0 to {cfg.evictor_shards - 1} "
+                f"(evictor_shards is {cfg.evictor_shards})"
+            )
         self._cfg = cfg
+        self._shard = shard
         self._namespace = cfg.namespace
         self._index = make_index(
             cfg.eviction_policy,
@@ -88,11 +99,13 @@ class Evictor:
                 )
 
     def reconcile(self) -> dict[str, list[str]]:
-        """Place NodeStores on new nodes; forget the chunks of nodes that left.
+        """Place NodeStores on new nodes (shard 0 only); forget the chunks of nodes that
+        left (every shard).
 
-        A NodeStore this index does not know (this Evictor restarted and lost its
-        index, or the NodeStore is still starting) is asked to offer its inventory
-        again: one-way, and idempotent, as everything sent to a NodeStore.
+        A NodeStore this shard does not know (this shard restarted and lost its index,
+        or the NodeStore is still starting) is asked to register with this shard and
+        offer it its share of the inventory again (``reregister(shard)``): one-way, and
+        idempotent, as everything sent to a NodeStore.
         """
         # The index is millions of small long-lived objects without reference cycles
         # (units name each other by id): keep the cyclic GC from re-scanning them.
@@ -105,11 +118,12 @@ class Evictor:
             try:
                 store = ray.get_actor(node_store_name(node_id), namespace=self._namespace)
             except ValueError:
-                place_node_store(self._cfg, node_id)  # registers itself when it is up
-                started.append(node_id)
+                if self._shard == 0:  # one placer: the shards would race to place it
+                    place_node_store(self._cfg, node_id)  # registers itself when it is up
+                    started.append(node_id)
                 continue
             if node_id not in known:
-                NodeStoreClient(store, node_id).reregister()  # one-way
+                NodeStoreClient(store, node_id).reregister(self._shard)  # one-way
         gone: list[str] = sorted(known - alive)
         for node_id in gone:
             logger.warning("node %s left the cluster; forgetting its chunks", node_id)
@@ -303,7 +317,11 @@ class Evictor:
         return self._cfg.to_dict()
 
     def status(self) -> dict[str, object]:
+        """This shard's view: per node and tier its share's used and capacity bytes and
+        chunks, its chunk count and counters."""
         return {
+            "shard": self._shard,
+            "shards": self._cfg.evictor_shards,
             "nodes": {
                 node: {
                     tier.value: {"used_bytes": u, "capacity_bytes": c, "chunks": n}

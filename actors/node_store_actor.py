@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import ray
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
-from tierstore.actors.names import node_store_name
+from tierstore.actors.names import evictor_name, node_store_name
 
 from tierstore.config import TierStoreConfig
 from tierstore.data.arena.region import ArenaRegion
@@ -117,13 +117,29 @@ class RayPeers:
         NodeStoreClient(store, node).accept_replicas(shards, views)
 
 
+def capacity_shares(total: int, shards: int) -> list[int]:
+    """Each Evictor shard's part of a node tier of ``total`` bytes: ``total // shards``,
+    shard 0 also the remainder (so the parts add up to the tier)."""
+    share = total // shards
+    return [share + (total % shards if shard == 0 else 0) for shard in range(shards)]
+
+
 class NodeStore:
-    def __init__(self, node_id: str, cfg: TierStoreConfig, evictor_name: str) -> None:
-        evictor = EvictorClient(ray.get_actor(evictor_name, namespace=cfg.namespace))
+    """One node's tiers. Talks to every Evictor shard (found by name, ``cfg.evictor_shards``
+    of them): registers with each its share of the node's tiers (:func:`capacity_shares`),
+    and offers each the shards whose root maps to it."""
+
+    def __init__(self, node_id: str, cfg: TierStoreConfig) -> None:
+        self._evictors = [
+            EvictorClient(ray.get_actor(evictor_name(shard), namespace=cfg.namespace))
+            for shard in range(cfg.evictor_shards)
+        ]
+        evictor = self._evictors[0]
         self._evictor = evictor
         self._node_id = node_id
         self._cfg = cfg
-        self._cpu_bytes, self._disk_bytes = cfg.cpu_bytes_per_node, cfg.disk_bytes_per_node
+        self._cpu_shares = capacity_shares(cfg.cpu_bytes_per_node, cfg.evictor_shards)
+        self._disk_shares = capacity_shares(cfg.disk_bytes_per_node, cfg.evictor_shards)
         self._id = ray.get_runtime_context().get_actor_id()
         self._register()
         disk = None
@@ -161,18 +177,30 @@ class NodeStore:
         """Write-through thread: the shards of the stores queued since the last batch."""
         self._core.write_through([shard_id for batch in batches for shard_id in batch])
 
-    def _register(self) -> None:
-        self._evictor.register_node(
-            self._node_id, self._cpu_bytes, self._disk_bytes, store_id=self._id
-        ).result(_REGISTER_TIMEOUT_S)
+    def _register(self, shard: int | None = None) -> None:
+        """Register this node with Evictor shard ``shard`` (None: every shard, the calls
+        sent at once), each with its share of the tiers; waits for every answer."""
+        shards = range(len(self._evictors)) if shard is None else [shard]
+        sent = [
+            self._evictors[i].register_node(
+                self._node_id, self._cpu_shares[i], self._disk_shares[i], store_id=self._id
+            )
+            for i in shards
+        ]
+        for reply in sent:
+            reply.result(_REGISTER_TIMEOUT_S)
 
     @_CONTROL
-    def reregister(self) -> int:
-        """The Evictor restarted and lost its index: offer it everything held here again."""
-        return self._reregister()
+    def reregister(self, shard: int | None = None) -> int:
+        """Evictor shard ``shard`` (None: every shard) restarted and lost its index:
+        register with it and offer it again what is held here of its prefix trees."""
+        if shard is not None and not (isinstance(shard, int) and 0 <= shard < len(self._evictors)):
+            logger.warning("NodeStore %s: reregister of unknown shard %r", self._node_id, shard)
+            return 0
+        return self._reregister(shard)
 
-    def _reregister(self) -> int:
-        self._register()
+    def _reregister(self, shard: int | None = None) -> int:
+        self._register(shard)
         return self._core.register_inventory(after_evictor_restart=True)
 
     @_CONTROL

@@ -14,7 +14,8 @@ __all__ = ["EVICTOR_NAME", "alive_node_ids", "node_store_name", "place_node_stor
 
 def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandle:
     """Start (or find) the NodeStore of ``node_id``; returns at once, never waits on it.
-    Its concurrency groups are given here: Ray takes them only in ``ray.remote``."""
+    Its concurrency groups are given here: Ray takes them only in ``ray.remote``. It
+    finds the Evictor shards by name (``cfg.evictor_shards`` of them)."""
     return (
         ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeStore)  # type: ignore[call-overload]
         .options(
@@ -25,7 +26,7 @@ def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandl
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         )
-        .remote(node_id, cfg, EVICTOR_NAME)
+        .remote(node_id, cfg)
     )
 
 

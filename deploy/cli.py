@@ -44,18 +44,63 @@ def _connect(address: str | None, namespace: str) -> None:
 
 
 def collect_status(namespace: str) -> dict[str, Any]:
-    """Per node and tier: used and capacity bytes and chunks; cluster totals."""
-    import ray
-    from tierstore.actors.clients import EvictorClient, NodeStoreClient
-    from tierstore.actors.placement import EVICTOR_NAME, node_store_name
+    """Per node and tier: used and capacity bytes and chunks (the NodeStores'); cluster
+    totals (the Evictor shards' counters summed); per Evictor shard, its share of the
+    nodes' tiers and its chunks (``shards``). A shard that does not answer is listed with
+    its error and left out of the totals; if none answers, its error is raised."""
+    shards, answered = _evictor_statuses(namespace)
+    nodes = _node_statuses(namespace)
+    stats: dict[str, int] = {}
+    for answer in answered:
+        for counter, value in answer["totals"].items():
+            stats[counter] = stats.get(counter, 0) + value
+    # Corruption is detected where the bytes are. Neither count is whole: the NodeStores
+    # alive now include files rejected while re-indexing their disks (never reported to
+    # the Evictor) but not what a NodeStore that since restarted found; the Evictor's
+    # total keeps those. Report the larger, a lower bound on what was detected. Failed
+    # disk writes likewise: the NodeStores' reports of the last ones may be on their way.
+    for counter in ("corrupt_before_hit", "corrupt_after_hit", "disk_write_failures"):
+        found_by_nodes = sum(node["stats"].get(counter, 0) for node in nodes)
+        stats[counter] = max(stats.get(counter, 0), found_by_nodes)
+    indexed = sum(answer["chunks"] for answer in answered)
+    return {"nodes": nodes, "totals": {**stats, "indexed_chunks": indexed}, "shards": shards}
 
-    try:
-        evictor = EvictorClient(ray.get_actor(EVICTOR_NAME, namespace=namespace))
-    except ValueError as exc:
+
+def _evictor_statuses(namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every Evictor shard's line of ``shards`` (its chunks and tier sums, or its error),
+    and the status of those that answered; asked all at once."""
+    import ray
+    from tierstore.actors.bootstrap import running_evictor_names
+    from tierstore.actors.clients import EvictorClient
+
+    names = running_evictor_names(namespace)
+    if not names:
         raise TierStoreError(
             f"no tierstore actors in namespace {namespace!r}: run `tierstore up` first"
-        ) from exc
-    evictor_status = evictor.status().result(_STATUS_TIMEOUT_S)
+        )
+    asked = [EvictorClient(ray.get_actor(name, namespace=namespace)).status() for name in names]
+    shards, answered = [], []
+    for shard, pending in enumerate(asked):
+        try:
+            answer = pending.result(_STATUS_TIMEOUT_S)
+        except TierStoreError as exc:
+            if len(asked) == 1:
+                raise
+            shards.append({"shard": shard, "error": str(exc)})
+            continue
+        answered.append(answer)
+        shards.append({"shard": shard, "chunks": answer["chunks"], **_tier_sums(answer)})
+    if not answered:
+        raise TierStoreError(f"no Evictor shard answered: {shards[0]['error']}")
+    return shards, answered
+
+
+def _node_statuses(namespace: str) -> list[dict[str, Any]]:
+    """The status of the NodeStore of every alive node that has one."""
+    import ray
+    from tierstore.actors.clients import NodeStoreClient
+    from tierstore.actors.placement import node_store_name
+
     nodes = []
     for node in ray.nodes():
         if not node["Alive"]:
@@ -65,19 +110,17 @@ def collect_status(namespace: str) -> dict[str, Any]:
         except ValueError:
             continue
         nodes.append(NodeStoreClient(store, node["NodeID"]).status().result(_STATUS_TIMEOUT_S))
-    stats = evictor_status["totals"]
-    # Corruption is detected where the bytes are. Neither count is whole: the NodeStores
-    # alive now include files rejected while re-indexing their disks (never reported to
-    # the Evictor) but not what a NodeStore that since restarted found; the Evictor's
-    # total keeps those. Report the larger, a lower bound on what was detected. Failed
-    # disk writes likewise: the NodeStores' reports of the last ones may be on their way.
-    for counter in ("corrupt_before_hit", "corrupt_after_hit", "disk_write_failures"):
-        found_by_nodes = sum(node["stats"].get(counter, 0) for node in nodes)
-        stats[counter] = max(stats.get(counter, 0), found_by_nodes)
-    return {
-        "nodes": nodes,
-        "totals": {**stats, "indexed_chunks": evictor_status["chunks"]},
-    }
+    return nodes
+
+
+def _tier_sums(evictor_status: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """An Evictor shard's share of every node's tiers, summed per tier over the nodes."""
+    sums = {tier: {"used_bytes": 0, "capacity_bytes": 0, "chunks": 0} for tier in ("cpu", "disk")}
+    for tiers in evictor_status["nodes"].values():
+        for tier, counts in tiers.items():
+            for name, value in counts.items():
+                sums[tier][name] += value
+    return sums
 
 
 def _fmt_bytes(n: float) -> str:
@@ -108,7 +151,7 @@ def _disk_note(node: dict[str, Any]) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     """Per node and tier: occupancy; per node: what it stored, served and found corrupt,
-    and a disk tier degraded by failed writes."""
+    and a disk tier degraded by failed writes; with several Evictor shards, a line each."""
     header = (
         f"{'node':<13} {'tier':<4} {'used':>10} {'capacity':>10} {'chunks':>7} "
         f"{'stores':>7} {'loads':>7} {'corrupt':>7}"
@@ -142,7 +185,26 @@ def format_status(status: dict[str, Any]) -> str:
         f"{totals['corrupt_after_hit']} after HIT, disk writes failed "
         f"{totals.get('disk_write_failures', 0)}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + _shard_lines(status.get("shards", [])))
+
+
+def _shard_lines(shards: list[dict[str, Any]]) -> list[str]:
+    """One line per Evictor shard (none when there is one): its chunks and its share
+    of the nodes' tiers, or why it did not answer."""
+    if len(shards) < 2:
+        return []
+    lines = []
+    for shard in shards:
+        if "error" in shard:
+            lines.append(f"evictor shard {shard['shard']}: no answer ({shard['error']})")
+            continue
+        cpu, disk = shard["cpu"], shard["disk"]
+        lines.append(
+            f"evictor shard {shard['shard']}: indexed {shard['chunks']} chunks; cpu "
+            f"{_fmt_bytes(cpu['used_bytes'])} of {_fmt_bytes(cpu['capacity_bytes'])}, disk "
+            f"{_fmt_bytes(disk['used_bytes'])} of {_fmt_bytes(disk['capacity_bytes'])}"
+        )
+    return lines
 
 
 # `tierstore up` takes one flag per config key; these come from the cluster arguments.

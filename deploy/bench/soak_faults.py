@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from tierstore.actors.placement import EVICTOR_NAME, node_store_name
+from tierstore.actors.bootstrap import running_evictor_names
+from tierstore.actors.names import evictor_name, node_store_name
 
 from tierstore.data.tiers.disk import ChunkRecord, chunk_records, read_record
 
@@ -130,22 +131,29 @@ def kill_node_store(namespace: str, node_id: str, ledger: CorruptionLedger, out:
     out.record("kill_node_store", started, disk_before=len(before), found=len(before & after))
 
 
-def kill_evictor(namespace: str, out: Injected) -> None:
-    """Kills the Evictor; Ray restarts it and the NodeStores re-register their chunks."""
+def kill_evictor(namespace: str, out: Injected, shard: int | None = None) -> None:
+    """Kills Evictor shard ``shard`` (None: every shard); Ray restarts each and the
+    NodeStores re-register their chunks with it."""
     started = time.monotonic()
-    evictor = ray.get_actor(EVICTOR_NAME, namespace=namespace)
-    ray.kill(evictor, no_restart=False)
+    names = running_evictor_names(namespace)
+    if shard is not None:
+        names = [evictor_name(shard)]
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace=namespace), no_restart=False)
 
     def answers() -> bool:
         try:
-            handle = ray.get_actor(EVICTOR_NAME, namespace=namespace)
-            status: Any = ray.get(handle.status.remote(), timeout=_CALL_TIMEOUT_S)
-            return status["chunks"] >= 0
+            for name in names:
+                handle = ray.get_actor(name, namespace=namespace)
+                status: Any = ray.get(handle.status.remote(), timeout=_CALL_TIMEOUT_S)
+                if status["chunks"] < 0:
+                    return False
+            return True
         except (ValueError, ray.exceptions.RayError):
             return False
 
     _wait(answers, "the Evictor answering after its restart")
-    out.record("kill_evictor", started)
+    out.record("kill_evictor", started, shards=len(names))
 
 
 def remove_node(cluster: Any, node: Any, out: Injected) -> None:

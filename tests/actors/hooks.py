@@ -20,7 +20,7 @@ from typing import cast
 import ray
 from tierstore.actors.clients import NodeStoreClient
 from tierstore.actors.evictor import Evictor
-from tierstore.actors.names import EVICTOR_NAME
+from tierstore.actors.names import evictor_name
 
 from tierstore.config import TierStoreConfig
 from tierstore.data.arena.directory import arena_tables
@@ -36,9 +36,9 @@ class EvictorForTests(Evictor):
     ticker must outlive it), ``stall`` holds up its only thread (a NodeStore must serve
     loads while its store waits on ``admit``; a caller's deadline must fire)."""
 
-    def __init__(self, cfg: TierStoreConfig) -> None:
+    def __init__(self, cfg: TierStoreConfig, shard: int = 0) -> None:
         self._fail_next_reconcile = False
-        super().__init__(cfg)
+        super().__init__(cfg, shard)
 
     def fail_next_reconcile(self) -> None:
         self._fail_next_reconcile = True
@@ -58,15 +58,17 @@ class EvictorForTests(Evictor):
             time.sleep(0.01)
 
 
-def start_evictor_for_tests(cfg: TierStoreConfig) -> ray.actor.ActorHandle:
-    """An :class:`EvictorForTests` under the Evictor's name (none may run yet): the
-    bootstrap, the NodeStores and the clients find it as they would the real one. The
-    ``cfg`` fixture's teardown stops it with the other actors. Returns once it answers."""
+def start_evictor_for_tests(cfg: TierStoreConfig, shard: int = 0) -> ray.actor.ActorHandle:
+    """An :class:`EvictorForTests` under Evictor shard ``shard``'s name (none may run
+    yet): the bootstrap, the NodeStores and the clients find it as they would the real
+    one. The ``cfg`` fixture's teardown stops it with the other actors. Returns once it
+    answers."""
+    name = evictor_name(shard)
     handle = cast(
         "ray.actor.ActorHandle",
         ray.remote(EvictorForTests)
-        .options(name=EVICTOR_NAME, namespace=cfg.namespace, lifetime="detached", num_cpus=0)
-        .remote(cfg),
+        .options(name=name, namespace=cfg.namespace, lifetime="detached", num_cpus=0)
+        .remote(cfg, shard),
     )
     ray.get(handle.config.remote(), timeout=_START_TIMEOUT_S)
     return handle
