@@ -88,7 +88,9 @@ _negative = st.integers(-(1 << 63), -1)
 _U64 = (1 << 64) - 1  # msgpack's largest integer
 _BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "namespace": _values.filter(lambda v: v != NS),
-    "key": _values.filter(lambda v: v != bytes(SHARD.key)),
+    # Not a chunk key (another, well-formed key is another chunk's header, not a bad one).
+    "key": _values.filter(lambda v: not isinstance(v, bytes) or not 5 <= len(v) <= 68)
+    | st.binary(min_size=4, max_size=4).map(lambda g: b"\x07" * 8 + b"\xff" + g[1:]),
     "rank": _not_int | _negative | st.integers(1, _U64),  # rank >= world_size (1)
     "length": _not_int | _negative | st.integers(PAYLOAD.nbytes + 1, _U64),
     "slot_mask": _not_int | _negative,

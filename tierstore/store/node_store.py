@@ -43,8 +43,9 @@ from tierstore.data.checksum import digest
 from tierstore.data.tiers.base import StoredShard, Tier
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError, TierFullError
-from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, shard_of
 from tierstore.store.disk_health import DiskHealth, os_error_of
+from tierstore.store.evictor_shards import ShardedEvictorPort
 from tierstore.store.ports import EvictorPort, PeerPort
 from tierstore.store.replicas import ReplicaTransfers
 from tierstore.store.stats import NodeStoreStats, StoreCounters, tier_status
@@ -124,16 +125,25 @@ class NodeStoreCore:
         )
 
     # ---- start-up ----------------------------------------------------------------------
-    def register_inventory(self, after_evictor_restart: bool = False) -> int:
-        """Offer what this node holds to the Evictor; drop what it refuses.
+    def register_inventory(
+        self, after_evictor_restart: bool = False, shard: int | None = None
+    ) -> int:
+        """Offer what this node holds to the Evictor; drop what it refuses. Returns the
+        copies it accepted.
 
         ``after_evictor_restart``: HITs granted by the lost index may still be loading,
-        so the Evictor keeps these chunks leased for a while.
+        so the Evictor keeps these chunks leased for a while. ``shard``: offer only the
+        copies whose root maps to that Evictor shard (one that restarted: the others
+        hear nothing); None: every copy, each to its own shard. Offering a shard a copy
+        it already indexes for this node changes nothing there (accepted again).
         """
         held = [
             (_offer(shard_id, meta), TierName.DISK)
             for shard_id, meta in (self.disk.items() if self.disk else [])
         ] + [(_offer(shard_id, meta), TierName.CPU) for shard_id, meta in self.cpu.items()]
+        if shard is not None:
+            shards = self.evictor.shards if isinstance(self.evictor, ShardedEvictorPort) else 1
+            held = [h for h in held if shard_of(h[0].root, shards) == shard]
         with self._report_lock:
             self._reported_writable = True  # what registering told the Evictor
         if not held:
@@ -229,6 +239,21 @@ class NodeStoreCore:
         demote = [s for s in own.demote if s not in to_disk]
         self.apply(NodeActions(drop=own.drop, demote=demote, promote=own.promote))
         return accepted, to_disk, list(own.persist)
+
+    def root_of(self, shard_id: ShardId) -> int | None:
+        """The prefix tree root of this node's copy of ``shard_id`` (memory first, then
+        disk), None if it holds none: which Evictor shard indexes it
+        (:class:`~tierstore.store.evictor_shards.ShardedEvictorPort` routes reports by
+        it). Any thread."""
+        shard = self.cpu.find(shard_id)
+        if shard is not None:
+            return shard.meta.root
+        if self.disk is not None and shard_id in self.disk:
+            try:
+                return self.disk.meta(shard_id).root
+            except ChunkNotFoundError:
+                return None  # dropped meanwhile
+        return None
 
     def holds(self, shard_id: ShardId) -> bool:
         """Whether this node holds a copy of ``shard_id`` (memory or disk); any thread."""

@@ -26,8 +26,8 @@ import msgpack
 
 from tierstore.data.checksum import CHECKSUM_ALGORITHM, digest
 from tierstore.data.tiers.base import ShardMeta
-from tierstore.fields import MAX_SLOTS, ROOT_LIMIT
-from tierstore.keys import ChunkKey, Namespace, ShardId, group_of
+from tierstore.fields import MAX_SLOTS, ROOT_LIMIT, chunk_key
+from tierstore.keys import Namespace, ShardId, group_of
 
 MAGIC = b"TSC2"
 PREFIX = struct.Struct(">4sIQ")
@@ -136,7 +136,7 @@ def parse_header(header: dict[str, Any]) -> tuple[ShardId, ShardMeta]:
     world_size = _bounded(header, "world_size", 1, 1 << 31)
     shard_id = ShardId(
         Namespace(namespace),
-        ChunkKey(_field(header, "key", bytes)),
+        chunk_key("header field 'key'", _field(header, "key", bytes)),  # as on the wire
         _bounded(header, "rank", 0, world_size),
     )
     meta = ShardMeta(

@@ -1,0 +1,296 @@
+"""A NodeStore's calls to S Evictor shards, routed by each chunk's prefix tree root.
+
+The Evictor is split into S shards (``evictor_shards``), each indexing the prefix trees
+whose root (:func:`tierstore.keys.root_of`) maps to it (:func:`tierstore.keys.shard_of`),
+so every rule of the index that looks at a unit's neighbours stays on one shard
+(docs/scaling.md, "Shard by chain root"). :class:`ShardedEvictorPort` is the
+:class:`~tierstore.store.ports.EvictorPort` a NodeStore holds: it takes one port per
+shard (the shards' clients) and sends each shard its own part of a call:
+
+- ``admit_units``: the units whose root maps to it (a unit's root is its shards');
+- ``restore``: the copies whose offer's root maps to it;
+- the ShardId reports (``promoted``, ``forget_shards``, ``report_corrupt_after_hit``,
+  ``replicated``, ``report_disk_writes``' unwritten ids): by the root of the node's held
+  copy (``root_of``); an id whose root is not known (the copy is gone) goes to every
+  shard, where a shard that does not index it ignores it;
+- ``report_disk_writes``' ``writable`` to every shard (it says whether the node's disk
+  takes writes, which each shard's room decisions need), its ``failures`` (a count, for
+  stats) to shard 0 alone, so the shards' counts sum to the node's.
+
+Each shard involved gets one call, all sent before any is waited on; a shard with
+nothing to hear gets none. With one shard every call passes straight through (no copy,
+no partition): a single Evictor behaves exactly as before sharding.
+
+**Failures.** A merged answer (:class:`Merged`) waits on each shard's reply, the
+deadline being for the whole call. If every shard involved failed it raises the first
+shard's error, and :func:`failed_shards` of that error names the shards that failed
+(such as an :class:`~tierstore.errors.UnknownNodeError` from a restarted shard: the
+caller reregisters with those shards and retries, as it would with one Evictor, whose
+failed call changed nothing). If only some failed, the answers that came are used, not
+thrown away (those shards changed their indexes, and the room they made must be freed):
+a failed shard's units are refused (no flags), its restored copies are neither accepted
+nor dropped (kept unindexed until that shard hears the node again), and
+``on_failure(shard, error)`` is called for each failed shard (default: a WARNING log),
+from the thread that waits on the answer. The caller passes an ``on_failure`` that
+reregisters the node with that shard (a restarted shard also asks the NodeStore to,
+see ``tierstore.actors.evictor``).
+
+Any thread, as the NodeStore's own port; holds no lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Generic, TypeVar
+
+from tierstore.keys import ShardId, TierName, shard_of
+from tierstore.store.ports import Decision, EvictorPort, UnitDecision
+from tierstore.wire import NodeActions, Reply, ShardOffer, UnitOffer
+
+__all__ = ["Merged", "ShardedEvictorPort", "failed_shards", "merge_actions"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# What a failed shard's error carries: the shards that failed, in order.
+_FAILED_SHARDS = "evictor_shards"
+
+
+def failed_shards(error: BaseException) -> list[int] | None:
+    """The Evictor shards whose calls failed, for an error a :class:`Merged` answer
+    raised (every shard it waited on failed); None for any other error (one Evictor, or
+    an error not from a shard's call)."""
+    shards = getattr(error, _FAILED_SHARDS, None)
+    return list(shards) if isinstance(shards, list) else None
+
+
+def merge_actions(actions: Sequence[NodeActions]) -> NodeActions:
+    """The actions of several shards for one node, concatenated (shard order)."""
+    merged = NodeActions()
+    for a in actions:
+        merged.drop += a.drop
+        merged.demote += a.demote
+        merged.promote += a.promote
+        merged.persist += a.persist
+        merged.push += a.push
+    return merged
+
+
+class Merged(Generic[T, R]):
+    """The replies of the shards a call went to, waited on together: a
+    :class:`~tierstore.wire.Reply`. ``merge`` builds the caller's answer from each
+    shard's answer, None for a shard that failed (see the module docstring)."""
+
+    def __init__(
+        self,
+        replies: dict[int, Reply[R] | BaseException | None],
+        merge: Callable[[dict[int, R | None]], T],
+        on_failure: Callable[[int, BaseException], None],
+    ) -> None:
+        self._replies = replies  # a send that raised is kept as its error; None: no reply
+        self._merge = merge
+        self._on_failure = on_failure
+
+    def result(self, timeout_s: float | None = None) -> T:
+        """Waits on every shard's reply (``timeout_s`` for all of them together; default:
+        each reply's own deadline) and merges their answers. Raises when every shard
+        failed (:func:`failed_shards` names them)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        answers: dict[int, R | None] = {}
+        errors: dict[int, BaseException] = {}
+        for shard, reply in self._replies.items():
+            if isinstance(reply, BaseException):
+                errors[shard] = reply
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                answers[shard] = None if reply is None else reply.result(left)
+            except Exception as exc:
+                errors[shard] = exc
+        if errors and not answers:
+            first = next(iter(errors.values()))
+            setattr(first, _FAILED_SHARDS, list(errors))
+            raise first
+        for shard, error in errors.items():
+            self._on_failure(shard, error)
+            answers[shard] = None
+        return self._merge(answers)
+
+
+def _log_failure(shard: int, error: BaseException) -> None:
+    logger.warning("Evictor shard %d did not answer (its part refused): %s", shard, error)
+
+
+class ShardedEvictorPort:
+    """An :class:`~tierstore.store.ports.EvictorPort` over one port per Evictor shard
+    (``shards[i]``: shard i), routing each call by root (see the module docstring).
+
+    ``root_of(shard_id)``: the root of the node's held copy of a shard, None if it holds
+    none (``NodeStoreCore.root_of``; the core takes this port, so pass a function that
+    reaches the core once it is built). ``on_failure(shard, error)``: a shard whose part
+    of a call failed while others answered (default: logged)."""
+
+    def __init__(
+        self,
+        shards: Sequence[EvictorPort],
+        root_of: Callable[[ShardId], int | None],
+        on_failure: Callable[[int, BaseException], None] = _log_failure,
+    ) -> None:
+        if not shards:
+            raise ValueError("a ShardedEvictorPort needs at least one Evictor shard")
+        self._shards = list(shards)
+        self._root_of = root_of
+        self._on_failure = on_failure
+
+    @property
+    def shards(self) -> int:
+        """How many Evictor shards there are."""
+        return len(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def shard_of(self, root: int) -> int:
+        """The shard that indexes the prefix tree of ``root`` (0 for an unknown root)."""
+        return shard_of(root, len(self._shards))
+
+    # ---- calls waited on -----------------------------------------------------------------
+    def admit_units(self, node_id: str, units: list[UnitOffer]) -> Reply[UnitDecision]:
+        if len(self._shards) == 1:
+            return self._shards[0].admit_units(node_id, units)
+        where = [self.shard_of(unit.root) for unit in units]
+        parts = _partition(range(len(units)), where)
+
+        def merge(answers: dict[int, UnitDecision | None]) -> UnitDecision:
+            flags: list[list[bool]] = [[] for _ in units]  # a failed shard's: refused
+            for shard, answer in answers.items():
+                if answer is not None:
+                    for i, unit_flags in zip(parts[shard], answer[0], strict=True):
+                        flags[i] = unit_flags
+            return flags, _actions(answers)
+
+        return self._send(
+            parts, lambda port, s: port.admit_units(node_id, [units[i] for i in parts[s]]), merge
+        )
+
+    def restore(
+        self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
+    ) -> Reply[Decision]:
+        if len(self._shards) == 1:
+            return self._shards[0].restore(node_id, held, grace)
+        where = [self.shard_of(offer.root) for offer, _ in held]
+        parts = _partition(range(len(held)), where)
+
+        def merge(answers: dict[int, Decision | None]) -> Decision:
+            accepted = [False] * len(held)  # a failed shard's: not accepted, not dropped
+            for shard, answer in answers.items():
+                if answer is not None:
+                    for i, ok in zip(parts[shard], answer[0], strict=True):
+                        accepted[i] = ok
+            return accepted, _actions(answers)
+
+        return self._send(
+            parts, lambda port, s: port.restore(node_id, [held[i] for i in parts[s]], grace), merge
+        )
+
+    # ---- one-way reports -----------------------------------------------------------------
+    def promoted(
+        self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]
+    ) -> Reply[None]:
+        if len(self._shards) == 1:
+            return self._shards[0].promoted(node_id, done, failed, refused)
+        d, f, r = self._by_root(done), self._by_root(failed), self._by_root(refused)
+        return self._report(
+            d.keys() | f.keys() | r.keys(),
+            lambda port, s: port.promoted(node_id, d.get(s, []), f.get(s, []), r.get(s, [])),
+        )
+
+    def forget_shards(self, node_id: str, shard_ids: list[ShardId]) -> Reply[None]:
+        if len(self._shards) == 1:
+            return self._shards[0].forget_shards(node_id, shard_ids)
+        parts = self._by_root(shard_ids)
+        return self._report(parts, lambda port, s: port.forget_shards(node_id, parts[s]))
+
+    def report_corrupt_after_hit(self, node_id: str, shard_ids: list[ShardId]) -> Reply[None]:
+        if len(self._shards) == 1:
+            return self._shards[0].report_corrupt_after_hit(node_id, shard_ids)
+        parts = self._by_root(shard_ids)
+        return self._report(parts, lambda port, s: port.report_corrupt_after_hit(node_id, parts[s]))
+
+    def report_disk_writes(
+        self, node_id: str, unwritten: list[ShardId], failures: int, writable: bool
+    ) -> Reply[None]:
+        if len(self._shards) == 1:
+            return self._shards[0].report_disk_writes(node_id, unwritten, failures, writable)
+        parts = self._by_root(unwritten)
+        return self._report(
+            range(len(self._shards)),
+            lambda port, s: port.report_disk_writes(
+                node_id, parts.get(s, []), failures if s == 0 else 0, writable
+            ),
+        )
+
+    def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> Reply[None]:
+        if len(self._shards) == 1:
+            return self._shards[0].replicated(node_id, done, failed)
+        d, f = self._by_root(done), self._by_root(failed)
+        return self._report(
+            d.keys() | f.keys(),
+            lambda port, s: port.replicated(node_id, d.get(s, []), f.get(s, [])),
+        )
+
+    # ---- routing -------------------------------------------------------------------------
+    def _by_root(self, shard_ids: list[ShardId]) -> dict[int, list[ShardId]]:
+        """``shard_ids`` by the Evictor shard of their held copy's root; one whose root
+        is not known, to every shard."""
+        parts: dict[int, list[ShardId]] = {}
+        for shard_id in shard_ids:
+            root = self._root_of(shard_id)
+            if root is None:
+                for s in range(len(self._shards)):
+                    parts.setdefault(s, []).append(shard_id)
+            else:
+                parts.setdefault(self.shard_of(root), []).append(shard_id)
+        return parts
+
+    def _send(
+        self,
+        shards: Iterable[int],
+        call: Callable[[EvictorPort, int], Reply[R]],
+        merge: Callable[[dict[int, R | None]], T],
+    ) -> Merged[T, R]:
+        """``call`` of each of ``shards`` (its port and number), all sent before any is
+        waited on."""
+        replies: dict[int, Reply[R] | BaseException | None] = {}
+        for shard in sorted(shards):
+            try:
+                replies[shard] = call(self._shards[shard], shard)
+            except Exception as exc:  # not even sent (the shard's actor is gone)
+                replies[shard] = exc
+        return Merged(replies, merge, self._on_failure)
+
+    def _report(
+        self, shards: Iterable[int], call: Callable[[EvictorPort, int], Reply[None]]
+    ) -> Merged[None, None]:
+        """A one-way report to each of ``shards`` (its reply is usually dropped)."""
+        return self._send(shards, call, _none)
+
+
+def _partition(items: range, where: list[int]) -> dict[int, list[int]]:
+    """The indexes of ``items`` by shard (``where[i]``), each list in order."""
+    parts: dict[int, list[int]] = {}
+    for i in items:
+        parts.setdefault(where[i], []).append(i)
+    return parts
+
+
+def _actions(answers: Mapping[int, tuple[object, NodeActions] | None]) -> NodeActions:
+    return merge_actions([a[1] for _, a in sorted(answers.items()) if a is not None])
+
+
+def _none(answers: dict[int, None]) -> None:
+    return None
