@@ -23,7 +23,7 @@ from tierstore.control.index import ChunkIndex, Watermarks
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
-from tierstore.errors import UnknownNodeError
+from tierstore.errors import ChunkCorruptError, UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, root_of, shard_of
 from tierstore.store.evictor_shards import ShardedEvictorPort, failed_shards
 from tierstore.store.node_store import NodeStoreCore
@@ -261,3 +261,24 @@ def test_each_shards_part_survives_a_restart_from_disk(tmp_path: Path) -> None:
     assert restarted.core.register_inventory() == 2 * len(_ids(A))
     assert restarted.shards[0].held() == {(s, TierName.DISK) for s in _ids(A)}
     assert restarted.shards[1].held() == {(s, TierName.DISK) for s in _ids(B)}
+
+
+def test_a_shard_let_go_of_is_still_reported_to_its_own_shard(node: Node) -> None:
+    node.store([A, B])
+    a, b = sorted(_ids(A))[0], sorted(_ids(B))[0]
+    node.core.drop([b])
+    assert node.core.root_of(b) == ROOTS[B]  # no longer held, its root remembered
+    node.port.forget_shards(NODE, [b])
+    assert node.shards[0].called("forget_shards") == []
+    assert node.shards[1].called("forget_shards") == [[b]]
+    # Bytes that change in memory after the HIT: the load fails, and the one shard that
+    # indexes the chunk hears of it (counted once in the cluster, not once per shard).
+    found = node.core.cpu.find(a)
+    assert found is not None
+    found.data[0] ^= 0xFF
+    with pytest.raises(ChunkCorruptError):
+        node.core.load(NS, 0, [a.key])
+    assert node.shards[0].called("report_corrupt_after_hit") == [[a]]
+    assert node.shards[1].called("report_corrupt_after_hit") == []
+    assert [s.index.stats.corrupt_after_hit for s in node.shards] == [1, 0]
+    assert (a, TierName.CPU) not in node.shards[0].held()  # its unit forgotten there

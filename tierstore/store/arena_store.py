@@ -184,6 +184,7 @@ class ArenaStore:
             else:
                 held = self._adopt(item.holder, shard_id, meta, entry.offset)
             if not held:
+                core.note_root(shard_id, entry.root)
                 lost.append(shard_id)
                 continue
             kept += 1

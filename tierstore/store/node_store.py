@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -74,6 +75,10 @@ T = TypeVar("T")
 # transfer deadline is what fails the job). A restore offers a node's whole inventory.
 ADMIT_TIMEOUT_S = 30.0
 RESTORE_TIMEOUT_S = 120.0
+# Roots of shards this node let go of lately (dropped, lost, found corrupt), so that a
+# report about one, sent right after, still reaches the Evictor shard that indexes it
+# (root_of) rather than every shard. Each report follows its loss within one call.
+RECENT_ROOTS = 4096
 
 
 class Promotion(Enum):
@@ -107,6 +112,8 @@ class NodeStoreCore:
     _reported_writable: bool = field(default=True, init=False, repr=False)
     _report_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _replicas: ReplicaTransfers = field(init=False, repr=False)
+    _gone_roots: OrderedDict[ShardId, int] = field(default_factory=OrderedDict, repr=False)
+    _gone_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if self.defer is None:
@@ -187,12 +194,14 @@ class NodeStoreCore:
             if digest(data) != entry.digest:
                 self.counters.add(corrupt_on_store=1)
                 logger.error("shard %s arrived corrupt; not stored", entry.key.hex())
+                self.note_root(shard_id, entry.root)
                 lost.append(shard_id)
                 continue
             meta = ShardMeta(
                 entry.nbytes, entry.digest, entry.slot_mask, world_size, entry.parent, entry.root
             )
             if not self.hold(shard_id, StoredShard(meta, data), shard_id in to_disk):
+                self.note_root(shard_id, entry.root)
                 lost.append(shard_id)
                 continue
             kept += 1
@@ -252,8 +261,20 @@ class NodeStoreCore:
             try:
                 return self.disk.meta(shard_id).root
             except ChunkNotFoundError:
-                return None  # dropped meanwhile
-        return None
+                pass  # dropped meanwhile
+        with self._gone_lock:
+            return self._gone_roots.get(shard_id)
+
+    def note_root(self, shard_id: ShardId, root: int | None) -> None:
+        """``shard_id`` is let go of (or was never kept), and its root was ``root``: for
+        :meth:`root_of` a while after (the last :data:`RECENT_ROOTS`). Any thread."""
+        if root is None:
+            return
+        with self._gone_lock:
+            self._gone_roots[shard_id] = root
+            self._gone_roots.move_to_end(shard_id)
+            while len(self._gone_roots) > RECENT_ROOTS:
+                self._gone_roots.popitem(last=False)
 
     def holds(self, shard_id: ShardId) -> bool:
         """Whether this node holds a copy of ``shard_id`` (memory or disk); any thread."""
@@ -331,6 +352,7 @@ class NodeStoreCore:
         freed = 0
         for shard_id in shard_ids:
             with self._disk_lock:
+                self.note_root(shard_id, self.root_of(shard_id))
                 freed += self.cpu.delete(shard_id)
                 if self.disk is not None:
                     freed += self.disk.delete(shard_id)
@@ -377,8 +399,11 @@ class NodeStoreCore:
         policy chose to evict it, and the caller tells the Evictor (forget_shards), which
         drops its unit knowingly rather than count on a disk copy that is not there."""
         with self._disk_lock:
+            root = self.root_of(shard_id)
             written = self._write_to_disk(shard_id)
             held = self.cpu.delete(shard_id) > 0
+        if not written:
+            self.note_root(shard_id, root)
         if written:
             self.counters.add(demoted_shards=1)
         elif held:
@@ -429,12 +454,18 @@ class NodeStoreCore:
         def read(out: np.ndarray) -> None:
             disk.read_into(shard_id, out)
 
-        try:  # read straight into the CPU tier's extent, verified there; the disk copy
-            # stays, so a later demotion is free
-            self.cpu.fill(shard_id, disk.meta(shard_id), read)
+        try:
+            meta = disk.meta(shard_id)
         except ChunkNotFoundError:
             return Promotion.FAILED
+        try:  # read straight into the CPU tier's extent, verified there; the disk copy
+            # stays, so a later demotion is free
+            self.cpu.fill(shard_id, meta, read)
+        except ChunkNotFoundError:
+            self.note_root(shard_id, meta.root)
+            return Promotion.FAILED
         except ChunkCorruptError:
+            self.note_root(shard_id, meta.root)
             logger.warning(
                 "corrupt chunk file for %s removed; it will be recomputed",
                 shard_id.key.hex(),
@@ -483,6 +514,7 @@ class NodeStoreCore:
             if digest(shard.data) != shard.meta.digest:
                 # The bytes changed in memory after the HIT was promised: fail the load.
                 self.counters.add(corrupt_after_hit=1)
+                self.note_root(shard_id, shard.meta.root)
                 self.cpu.delete(shard_id)
                 self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise ChunkCorruptError(
@@ -493,10 +525,12 @@ class NodeStoreCore:
         # A HIT from disk (no CPU room to promote it), or a promotion not done yet: the
         # lease keeps the file, and the read verifies it.
         if self.disk is not None and shard_id in self.disk:
+            root = self.disk.meta(shard_id).root  # ChunkNotFoundError if dropped meanwhile
             try:
                 return self.disk.get(shard_id)
             except ChunkCorruptError:
                 self.counters.add(corrupt_after_hit=1)
+                self.note_root(shard_id, root)
                 self.evictor.report_corrupt_after_hit(self.node_id, [shard_id])
                 raise
         raise ChunkNotFoundError(
