@@ -388,3 +388,38 @@ def test_a_lost_holders_chunks_live_on_in_their_first_complete_replica() -> None
     answers, _ = pair.call("lookup", ns, keys, "h", 1.0, 5.0)  # type: ignore[misc]
     assert [a.where for a in answers] == [{0: NODES[2]}] * len(keys)
     assert pair.ref.replicas_on(NODES[1]) == {(ns, k) for k in keys}
+
+
+def test_a_lost_node_drops_the_units_without_replica_and_rescues_the_others() -> None:
+    """A lost node's chain, two of its four units replicated elsewhere: the compact index
+    sorts only the replicated units, and ends in the reference's state (those two adopted
+    and written through, the others dropped everywhere, their children's edges gone)."""
+    pair = Pair(disk_bytes=1000, marks=Watermarks(), replicate=1)
+    load = Workload(groups=2, key_len=36)
+    ns = NAMESPACES[0]
+    pair.call("admit", NODES[0], load.offers(ns, 3, 10, 0), 0.0)  # boundaries 0-3, one chain
+    pair.call("admit", NODES[1], load.offers(ns, 7, 10, 0), 0.0)  # 4-7 on another node
+    keys = load.keys(3)
+    rescued = [k for k in keys if int.from_bytes(k[:-4], "big") in (1, 3)]
+    actions = pair.call("record_loads", ns, rescued, NODES[2])
+    pushed = [sid for sid, _ in actions[NODES[0]].push]  # type: ignore[index]
+    assert len(pushed) == len(rescued)
+    pair.call("replicated", NODES[2], pushed, [])
+    pair.call("forget_node", NODES[0])
+    pair.same_state([(ns, k) for k in keys + load.keys(7)])
+    assert len(pair.compact) == len(rescued) + len(load.keys(7))
+    answers, _ = pair.call("lookup", ns, keys, "h", 1.0, 5.0)  # type: ignore[misc]
+    hits = [k for k, a in zip(keys, answers, strict=True) if a.state is LookupState.HIT]  # type: ignore[attr-defined]
+    assert hits == rescued
+
+
+def test_a_world_past_the_limit_is_refused_not_allocated() -> None:
+    """A chunk of more than 2**24 - 1 ranks is refused as an invalid offer (the compact
+    index's one limit the reference lacks): nothing is held, no shard run is made."""
+    index = CompactChunkIndex("lru")
+    index.register_node(NODES[0], CPU_BYTES, 0)
+    offers = [ShardOffer(NAMESPACES[0], key(1, 0, 12), 0, 1 << 24, 1)]
+    result = index.admit(NODES[0], offers, 0.0)
+    assert result.accepted == [False]
+    assert len(index) == 0
+    assert index.memory_bytes() < 1 << 20

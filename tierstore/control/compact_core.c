@@ -57,18 +57,17 @@ static void key_free(Core *c, size_t len, uint32_t i) {
     memcpy(p->a + (size_t)i * key_slot(len), &p->free, 4);
     p->free = i;
 }
+_Static_assert(sizeof(Chunk) == 40 && sizeof(Unit) == 32 && sizeof(Shard) == 12, "record sizes");
 static uint64_t chunk_hash(const Core *c, uint32_t ci) {
     const Chunk *ch = &c->chunks[ci];
-    return hash_bytes(chunk_key(c, ch), ch->keylen, ch->ns);
+    return key_hash(chunk_key(c, ch), ch->keylen, ch->ns);
 }
-static uint64_t unit_hash(const Core *c, uint32_t u) {
-    const Chunk *ch = &c->chunks[c->units[u].chunks];
-    return hash_bytes(chunk_key(c, ch), boundary_len(ch->keylen), ch->ns);
-}
+/* A unit's hash: any of its chunks' (they share its boundary). */
+static uint64_t unit_hash(const Core *c, uint32_t u) { return chunk_hash(c, c->units[u].chunks); }
 
 /* ---- open addressing -------------------------------------------------------------- */
 static uint64_t tab_hash(Core *c, int kind, uint32_t i) {
-    return kind == T_CHUNK ? chunk_hash(c, i) : kind == T_UNIT ? unit_hash(c, i) : c->waits[i].phash;
+    return kind == T_CHUNK ? chunk_hash(c, i) : c->waits[i].phash;
 }
 static uint16_t meta(uint64_t h, size_t dist) { return TAG(h) | (uint16_t)(dist < 255 ? dist : 255); }
 static void tab_put(Table *t, uint64_t h, uint32_t idx) {
@@ -132,14 +131,16 @@ INTERNAL uint32_t find_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t le
     }
     return NIL;
 }
+/* The unit of boundary ``b`` (hash ``h``): any of its chunks names it (a chunk made but not
+ * yet in a unit, unit NIL, is passed over). */
 INTERNAL uint32_t find_unit(Core *c, uint32_t ns, const uint8_t *b, size_t blen, uint64_t h) {
-    if (!c->utab.slots) return NIL;
+    if (!c->ctab.slots) return NIL;
     uint16_t tag = TAG(h);
-    for (size_t i = h & c->utab.mask; c->utab.slots[i] != NIL; i = (i + 1) & c->utab.mask) {
-        if (TAG_OF(c->utab.tags[i]) != tag) continue;
-        Chunk *ch = &c->chunks[c->units[c->utab.slots[i]].chunks];
-        if (ch->ns == ns && boundary_len(ch->keylen) == blen && !memcmp(chunk_key(c, ch), b, blen))
-            return c->utab.slots[i];
+    for (size_t i = h & c->ctab.mask; c->ctab.slots[i] != NIL; i = (i + 1) & c->ctab.mask) {
+        if (TAG_OF(c->ctab.tags[i]) != tag) continue;
+        Chunk *ch = &c->chunks[c->ctab.slots[i]];
+        if (ch->unit != NIL && ch->ns == ns && boundary_len(ch->keylen) == blen && !memcmp(chunk_key(c, ch), b, blen))
+            return ch->unit;
     }
     return NIL;
 }
@@ -388,6 +389,7 @@ INTERNAL PyObject *action_list(Core *c, int kind, uint32_t node) {
     return PyTuple_GET_ITEM(lists, kind);
 }
 INTERNAL void emit(Core *c, int kind, uint32_t node, uint32_t ci, uint32_t rank) {
+    if (node == c->mute) return;
     Chunk *ch = &c->chunks[ci];
     PyObject *sid = shard_id(c, ch->ns, chunk_key(c, ch), ch->keylen, rank);
     fatal_if(!sid || PyList_Append(action_list(c, kind, node), sid) < 0);
@@ -541,9 +543,9 @@ INTERNAL void lose(Core *c, uint32_t u, Shard *s, int tier) {
 
 static void free_chunk(Core *c, uint32_t ci) {
     Chunk *ch = &c->chunks[ci];
-    if (ch->world <= MAX_POOLED_WORLD) {
-        c->shards[ch->shards].nbytes = c->shard_free[ch->world];
-        c->shard_free[ch->world] = ch->shards;
+    if (ch->world > 1 && ch->world <= MAX_POOLED_WORLD) {
+        c->shards[ch->sh.run].nbytes = c->shard_free[ch->world];
+        c->shard_free[ch->world] = ch->sh.run;
     }
     key_free(c, ch->keylen, ch->keyref);
     ch->alive = 0;
@@ -562,11 +564,11 @@ INTERNAL void drop_unit(Core *c, uint32_t u) {
     while (c->units[u].children != NIL) { /* only when forced (corruption, node loss) */
         uint32_t e = c->units[u].children, child = c->edges[e].child;
         remove_edge(c, e);
-        add_wait(c, child, uh); /* re-linked if this boundary comes back */
+        if (!(c->units[child].flags & U_DYING)) add_wait(c, child, uh); /* re-linked if this boundary comes back */
     }
     for (uint32_t ci = c->units[u].chunks; ci != NIL; ci = c->chunks[ci].next) {
         while (c->chunks[ci].has_replicas) drop_replica(c, replicas_of(c, ci)); /* made first, dropped first */
-        tab_remove(c, &c->ctab, T_CHUNK, chunk_hash(c, ci), ci);
+        tab_remove(c, &c->ctab, T_CHUNK, uh, ci); /* a chunk's hash is its unit's */
         free_leases(c, ci);
         for (uint32_t r = 0; r < c->chunks[ci].world; r++) {
             Shard *s = SHARD(c, &c->chunks[ci], r);
@@ -576,7 +578,6 @@ INTERNAL void drop_unit(Core *c, uint32_t u) {
             emit(c, A_DROP, s->node, ci, r);
         }
     }
-    tab_remove(c, &c->utab, T_UNIT, uh, u); /* while its first chunk still names it */
     for (uint32_t ci = c->units[u].chunks; ci != NIL;) {
         uint32_t next = c->chunks[ci].next;
         free_chunk(c, ci);
@@ -590,13 +591,12 @@ INTERNAL void drop_unit(Core *c, uint32_t u) {
  * as needed. */
 static uint32_t link_chunk(Core *c, uint32_t ci, const Offer *o) {
     size_t blen = boundary_len(o->len);
-    uint64_t uh = o->uhash;
+    uint64_t uh = o->hash;
     uint32_t u = find_unit(c, o->ns, o->key, blen, uh);
     if (u == NIL) {
         u = POOL_NEW(c, units, nunits, capunits, c->unit_free, Unit, chunks);
         c->units[u] = (Unit){c->clock++, ci, NIL, NIL, NIL, 0, 0, U_ALIVE};
         c->chunks[ci].unit = u;
-        tab_insert(c, &c->utab, T_UNIT, uh, u);
         if (c->pset_active && set_has(c->pset, c->pmask, uh)) mark_protected(c, u);
         uint32_t w = find_orphans(c, uh);
         if (w != NIL) {
@@ -635,19 +635,21 @@ static uint32_t new_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len, 
     uint32_t ci = POOL_NEW(c, chunks, nchunks, capchunks, c->chunk_free, Chunk, next);
     Chunk *ch = &c->chunks[ci];
     memset(ch, 0, sizeof *ch);
-    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL;
+    ch->ns = ns; ch->world = world; ch->next = NIL; ch->lease = NIL; ch->unit = NIL; /* linked next */
     ch->keylen = (uint8_t)len; ch->alive = 1;
     ch->keyref = key_store(c, key, len);
-    uint32_t base;
-    if (world <= MAX_POOLED_WORLD && c->shard_free[world] != NIL) {
-        base = c->shard_free[world]; c->shard_free[world] = (uint32_t)c->shards[base].nbytes;
-    } else {
-        c->shards = grow(c->shards, &c->capshards, c->nshards + world, sizeof(Shard));
-        base = (uint32_t)c->nshards; c->nshards += world;
+    if (world > 1) {
+        uint32_t base;
+        if (world <= MAX_POOLED_WORLD && c->shard_free[world] != NIL) {
+            base = c->shard_free[world]; c->shard_free[world] = (uint32_t)c->shards[base].nbytes;
+        } else {
+            if ((size_t)c->nshards + world > NIL) Py_FatalError("tierstore compact index: shard pool full");
+            c->shards = grow(c->shards, &c->capshards, c->nshards + world, sizeof(Shard));
+            base = (uint32_t)c->nshards; c->nshards += world;
+        }
+        ch->sh.run = base;
+        memset(&c->shards[base], 0, world * sizeof(Shard));
     }
-    ch = &c->chunks[ci];
-    ch->shards = base;
-    memset(&c->shards[base], 0, world * sizeof(Shard));
     c->live_chunks++;
     tab_insert(c, &c->ctab, T_CHUNK, h, ci);
     return ci;

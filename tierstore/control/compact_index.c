@@ -14,6 +14,15 @@ static long intern(PyObject *ids, PyObject *list, PyObject *name, int create) {
     Py_DECREF(id);
     return (long)n;
 }
+/* A namespace's id (made on first sight): at most MAX_NAMESPACES of them. */
+static long ns_of(Core *c, PyObject *name, int create) {
+    if (create && (size_t)PyList_GET_SIZE(c->ns_list) >= MAX_NAMESPACES) {
+        long n = intern(c->ns_ids, c->ns_list, name, 0);
+        if (n == -1 && !PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "the compact index names at most 2**24 namespaces");
+        return n < 0 ? -2 : n;
+    }
+    return intern(c->ns_ids, c->ns_list, name, create);
+}
 /* A lease holder's id (``create``: a new one if unknown). A new id has no lease yet: it
  * is queued for the sweep, which frees it unless the call leases something to it. */
 static long holder_of(Core *c, PyObject *name, int create) {
@@ -78,7 +87,7 @@ static int as_bytes(PyObject *o, const uint8_t **p, size_t *n) {
 
 static int parse_offer(Core *c, PyObject *o, Offer *of) {
     if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) < 5) { PyErr_SetString(PyExc_TypeError, "not a ShardOffer"); return -1; }
-    long ns = intern(c->ns_ids, c->ns_list, PyTuple_GET_ITEM(o, 0), 1);
+    long ns = ns_of(c, PyTuple_GET_ITEM(o, 0), 1);
     if (ns < 0) return -1;
     of->ns = (uint32_t)ns;
     if (as_bytes(PyTuple_GET_ITEM(o, 1), &of->key, &of->len) < 0) return -1;
@@ -89,15 +98,14 @@ static int parse_offer(Core *c, PyObject *o, Offer *of) {
     unsigned long long nb = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(o, 4));
     if (PyErr_Occurred()) return -1;
     of->nbytes = nb;
-    of->valid = !overflow && !overflow2 && of->rank >= 0 && of->rank < of->world && of->world <= UINT32_MAX;
+    of->valid = !overflow && !overflow2 && of->rank >= 0 && of->rank < of->world && of->world <= MAX_WORLD;
     PyObject *parent = PyTuple_GET_SIZE(o) > 5 ? PyTuple_GET_ITEM(o, 5) : Py_None;
     of->parent = NULL; of->plen = 0; of->phash = 0;
     if (parent != Py_None) {
         if (as_bytes(parent, &of->parent, &of->plen) < 0) return -1;
         of->phash = hash_bytes(of->parent, boundary_len(of->plen), of->ns);
     }
-    of->hash = hash_bytes(of->key, of->len, of->ns);
-    of->uhash = hash_bytes(of->key, boundary_len(of->len), of->ns);
+    of->hash = key_hash(of->key, of->len, of->ns);
     return 0;
 }
 /* The shard (chunk, rank) is held: its chunk index, else NIL. */
@@ -109,17 +117,17 @@ static uint32_t held_chunk(Core *c, uint32_t ns, const uint8_t *key, size_t len,
 /* A ShardId argument: its chunk if held at that rank. */
 static int parse_shard_id(Core *c, PyObject *o, uint32_t *ci, long long *rank) {
     if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 3) { PyErr_SetString(PyExc_TypeError, "not a ShardId"); return -1; }
-    long ns = intern(c->ns_ids, c->ns_list, PyTuple_GET_ITEM(o, 0), 1);
+    long ns = ns_of(c, PyTuple_GET_ITEM(o, 0), 1);
     const uint8_t *key; size_t len;
     if (ns < 0 || as_bytes(PyTuple_GET_ITEM(o, 1), &key, &len) < 0) return -1;
     int overflow = 0;
     *rank = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(o, 2), &overflow);
     if (PyErr_Occurred()) return -1;
-    *ci = overflow ? NIL : held_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns), *rank);
+    *ci = overflow ? NIL : held_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns), *rank);
     return 0;
 }
 static uint32_t unit_of_key(Core *c, PyObject *ns_obj, PyObject *key_obj) {
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     const uint8_t *key; size_t len;
     if (ns < 0 || as_bytes(key_obj, &key, &len) < 0) return NIL;
     size_t bl = boundary_len(len);
@@ -182,7 +190,7 @@ static void admit_group(Core *c, uint32_t node, Offer *of, Py_ssize_t n, const P
     }
     if (!fresh) return;
     const Offer *first = &of[0];
-    uint32_t own = find_unit(c, first->ns, first->key, boundary_len(first->len), first->uhash);
+    uint32_t own = find_unit(c, first->ns, first->key, boundary_len(first->len), first->hash);
     if (!make_cpu_room(c, node, nbytes, p, now) && !demote_for_store(c, node, nbytes, own, p, now)) {
         c->counts[C_SKIPPED] += fresh;
         memset(keep, 0, (size_t)n);
@@ -193,7 +201,7 @@ static void admit_group(Core *c, uint32_t node, Offer *of, Py_ssize_t n, const P
         uint32_t ci = existing[i] != NIL ? existing[i] : find_chunk(c, of[i].ns, of[i].key, of[i].len, of[i].hash);
         add_shard(c, ci, node, &of[i], CPU, 0, &existing[i]);
     }
-    own = find_unit(c, first->ns, first->key, boundary_len(first->len), first->uhash);
+    own = find_unit(c, first->ns, first->key, boundary_len(first->len), first->hash);
     if (own != NIL) push(c, own, node, CPU); /* once for the unit, not per shard */
     if (!make_disk_room(c, node, nbytes, p, now)) return;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -227,8 +235,8 @@ static PyObject *Core_admit(Core *c, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (parse_offer(c, PyList_GET_ITEM(offers, i), &of[i]) < 0) goto fail;
         invalid += !of[i].valid;
-        hs[nh++] = of[i].uhash;
-        want_protected(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].uhash);
+        hs[nh++] = of[i].hash;
+        want_protected(c, of[i].ns, of[i].key, boundary_len(of[i].len), of[i].hash);
         if (of[i].parent) {
             hs[nh++] = of[i].phash;
             want_protected(c, of[i].ns, of[i].parent, boundary_len(of[i].plen), of[i].phash);
@@ -310,28 +318,27 @@ static PyObject *replica_answer(Core *c, uint32_t ci, uint32_t node) {
 static PyObject *Core_lookup(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder, *node_obj; double now, ttl;
     if (!PyArg_ParseTuple(args, "OO!OddO", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl, &node_obj)) return NULL;
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     long hid = holder_of(c, holder, 1);
     long asking = node_obj == Py_None ? -1 : node_of(c, node_obj, 0);
     if (ns < 0 || hid < 0 || PyErr_Occurred()) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    uint64_t *hs = PyMem_RawMalloc((2 * n + 1) * sizeof(uint64_t)); /* boundaries', then keys' */
+    uint64_t *hs = PyMem_RawMalloc((n + 1) * sizeof(uint64_t)); /* the keys' (their boundaries') */
     PyObject *answers = PyList_New(n);
     if (!hs || !answers || !begin(c)) goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) goto fail;
-        hs[i] = hash_bytes(key, boundary_len(len), (uint32_t)ns);
+        hs[i] = key_hash(key, len, (uint32_t)ns);
         want_protected(c, (uint32_t)ns, key, boundary_len(len), hs[i]);
-        hs[n + i] = hash_bytes(key, len, (uint32_t)ns);
-        prefetch_slot(&c->ctab, hs[n + i]); /* the batch's probes overlap their misses */
+        prefetch_slot(&c->ctab, hs[i]); /* the batch's probes overlap their misses */
     }
     Prot p = protect(c, hs, (size_t)n);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *k = PyList_GET_ITEM(keys, i);
         const uint8_t *key = (const uint8_t *)PyBytes_AS_STRING(k);
         size_t len = (size_t)PyBytes_GET_SIZE(k);
-        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hs[n + i]);
+        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hs[i]);
         PyObject *a;
         if (ci == NIL || c->chunks[ci].present != c->chunks[ci].world) {
             c->counts[C_MISSES]++;
@@ -361,13 +368,13 @@ fail:
 static PyObject *Core_extend_leases(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder; double now, ttl;
     if (!PyArg_ParseTuple(args, "OO!Odd", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl)) return NULL;
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     long hid = holder_of(c, holder, 1);
     if (ns < 0 || hid < 0) return NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) return NULL;
-        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns));
         if (ci != NIL) lease(c, ci, (uint32_t)hid, now, now + ttl);
     }
     sweep_holders(c);
@@ -377,14 +384,14 @@ static PyObject *Core_extend_leases(Core *c, PyObject *args) {
 static PyObject *Core_release(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder;
     if (!PyArg_ParseTuple(args, "OO!O", &ns_obj, &PyList_Type, &keys, &holder)) return NULL;
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     long hid = holder_of(c, holder, 0);
     if (ns < 0 || hid == -2 || PyErr_Occurred()) return NULL;
     if (hid < 0) Py_RETURN_NONE; /* a holder never seen holds nothing */
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) return NULL;
-        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns));
         if (ci != NIL) release_one(c, ci, (uint32_t)hid);
     }
     sweep_holders(c);
@@ -404,10 +411,10 @@ static PyObject *Core_release_holder(Core *c, PyObject *holder) {
 static PyObject *Core_is_leased(Core *c, PyObject *args) {
     PyObject *ns_obj, *key_obj; double now;
     if (!PyArg_ParseTuple(args, "OOd", &ns_obj, &key_obj, &now)) return NULL;
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     const uint8_t *key; size_t len;
     if (ns < 0 || as_bytes(key_obj, &key, &len) < 0) return NULL;
-    uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+    uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns));
     int leased = ci != NIL && is_leased(c, ci, now);
     sweep_holders(c);
     return PyBool_FromLong(leased);
@@ -558,35 +565,54 @@ static int unit_order(const void *a, const void *b) {
 }
 
 /* A node left: its replicas go; each unit it held is rescued by replicas elsewhere (in
- * UnitId order) or dropped everywhere. */
+ * UnitId order: a rescue writes through to disk while there is room) or dropped
+ * everywhere. A unit without a replica cannot be rescued and changes nothing by trying,
+ * so only units with one are sorted. The node's own actions are discarded, so never made. */
 static PyObject *Core_forget_node(Core *c, PyObject *name) {
     long node = node_of(c, name, 0);
     if (PyErr_Occurred() || !begin(c)) return NULL;
     if (node < 0) return finish(c);
     for (int t = CPU; t <= DISK; t++) c->nodes[node].heap[t].n = 0;
     forget_replicas_on(c, (uint32_t)node);
-    uint32_t *held = NULL;
-    size_t nheld = 0, capheld = 0;
-    for (size_t u = 0; u < c->nunits; u++) {
-        if (!(c->units[u].flags & U_ALIVE)) continue;
+    c->mute = (uint32_t)node;
+    uint32_t *held = NULL, *rescuable = NULL; /* units held there: without a replica, with one */
+    size_t nheld = 0, capheld = 0, nres = 0, capres = 0;
+    for (size_t ci = 0; ci < c->nchunks; ci++) { /* in memory order: one pass, no random reads */
+        Chunk *ch = &c->chunks[ci];
+        if (!ch->alive) continue;
         int here = 0;
-        for (uint32_t ci = c->units[u].chunks; !here && ci != NIL; ci = c->chunks[ci].next)
-            for (uint32_t r = 0; r < c->chunks[ci].world; r++) {
-                Shard *s = SHARD(c, &c->chunks[ci], r);
-                if ((s->flags & S_HELD) && s->node == (uint32_t)node) here = 1;
-            }
-        if (!here) continue;
-        held = grow(held, &capheld, nheld + 1, sizeof(uint32_t));
-        held[nheld++] = (uint32_t)u;
+        for (uint32_t r = 0; !here && r < ch->world; r++) {
+            Shard *s = SHARD(c, ch, r);
+            here = (s->flags & S_HELD) && s->node == (uint32_t)node;
+        }
+        uint32_t u = ch->unit;
+        if (!here || (c->units[u].flags & U_SEEN)) continue;
+        c->units[u].flags |= U_SEEN;
+        int replicated = 0;
+        for (uint32_t k = c->units[u].chunks; !replicated && k != NIL; k = c->chunks[k].next)
+            replicated = c->chunks[k].has_replicas;
+        if (replicated) {
+            rescuable = grow(rescuable, &capres, nres + 1, sizeof(uint32_t));
+            rescuable[nres++] = u;
+        } else {
+            held = grow(held, &capheld, nheld + 1, sizeof(uint32_t));
+            held[nheld++] = u;
+        }
     }
+    for (size_t i = 0; i < nheld; i++) c->units[held[i]].flags &= ~U_SEEN;
+    for (size_t i = 0; i < nres; i++) c->units[rescuable[i]].flags &= ~U_SEEN;
     sort_core = c;
-    if (nheld) qsort(held, nheld, sizeof(uint32_t), unit_order);
-    size_t ndying = 0;
-    for (size_t i = 0; i < nheld; i++)
-        if (!rescue(c, held[i], (uint32_t)node)) held[ndying++] = held[i];
-    for (size_t i = 0; i < ndying; i++) c->units[held[i]].flags |= U_DYING; /* not queued as they go */
-    for (size_t i = 0; i < ndying; i++) drop_unit(c, held[i]);
+    if (nres) qsort(rescuable, nres, sizeof(uint32_t), unit_order);
+    for (size_t i = 0; i < nres; i++)
+        if (!rescue(c, rescuable[i], (uint32_t)node)) {
+            held = grow(held, &capheld, nheld + 1, sizeof(uint32_t));
+            held[nheld++] = rescuable[i];
+        }
+    for (size_t i = 0; i < nheld; i++) c->units[held[i]].flags |= U_DYING; /* not queued as they go */
+    for (size_t i = 0; i < nheld; i++) drop_unit(c, held[i]);
+    c->mute = NIL;
     PyMem_RawFree(held);
+    PyMem_RawFree(rescuable);
     Node *nd = &c->nodes[node];
     nd->registered = 0;
     memset(nd->used, 0, sizeof nd->used); memset(nd->shards, 0, sizeof nd->shards);
@@ -680,14 +706,14 @@ static PyObject *Core_units(Core *c, PyObject *unused) {
 static PyObject *Core_locate(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *avoid; long long rank;
     if (!PyArg_ParseTuple(args, "OO!LO", &ns_obj, &PyList_Type, &keys, &rank, &avoid)) return NULL;
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     long av = node_of(c, avoid, 0);
     if (ns < 0 || PyErr_Occurred()) return NULL;
     PyObject *out = PyList_New(PyList_GET_SIZE(keys));
     for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
         const uint8_t *key; size_t len;
         if (as_bytes(PyList_GET_ITEM(keys, i), &key, &len) < 0) { Py_DECREF(out); return NULL; }
-        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+        uint32_t ci = find_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns));
         long found = -1;
         if (ci != NIL && rank >= 0 && rank < (long long)c->chunks[ci].world) {
             Shard *s = SHARD(c, &c->chunks[ci], rank);
@@ -704,10 +730,10 @@ static PyObject *Core_locate(Core *c, PyObject *args) {
 
 /* The chunk a key argument names (``nsk``: (namespace, key)), else NIL. */
 static uint32_t chunk_of(Core *c, PyObject *ns_obj, PyObject *key_obj) {
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     const uint8_t *key; size_t len;
     if (ns < 0 || as_bytes(key_obj, &key, &len) < 0) return NIL;
-    return find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns));
+    return find_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns));
 }
 
 /* replica_candidates(namespace, keys, node): per key, whether a load of it by ``node``
@@ -783,10 +809,10 @@ static PyObject *Core_replicas_on(Core *c, PyObject *name) {
 static PyObject *Core_contains(Core *c, PyObject *args) {
     PyObject *ns_obj, *key_obj;
     if (!PyArg_ParseTuple(args, "OO", &ns_obj, &key_obj)) return NULL;
-    long ns = intern(c->ns_ids, c->ns_list, ns_obj, 1);
+    long ns = ns_of(c, ns_obj, 1);
     const uint8_t *key; size_t len;
     if (ns < 0 || as_bytes(key_obj, &key, &len) < 0) return NULL;
-    return PyBool_FromLong(find_chunk(c, (uint32_t)ns, key, len, hash_bytes(key, len, (uint32_t)ns)) != NIL);
+    return PyBool_FromLong(find_chunk(c, (uint32_t)ns, key, len, key_hash(key, len, (uint32_t)ns)) != NIL);
 }
 
 static PyObject *Core_size(Core *c, PyObject *unused) { return PyLong_FromSize_t(c->live_chunks); }
@@ -805,8 +831,8 @@ static PyObject *Core_memory_bytes(Core *c, PyObject *unused) {
              + c->capreplicas * sizeof(Replica) + (c->rkeys ? 2 * (c->rmask + 1) * sizeof(uint32_t) : 0)
              + c->capwk * sizeof(Wakeup) + c->pcap * sizeof(uint64_t);
     for (int i = 0; i < 256; i++) b += c->keys[i].cap * key_slot((size_t)i);
-    Table *ts[3] = {&c->ctab, &c->utab, &c->otab};
-    for (int i = 0; i < 3; i++) if (ts[i]->slots) b += (ts[i]->mask + 1) * (sizeof(uint32_t) + sizeof(uint16_t));
+    Table *ts[2] = {&c->ctab, &c->otab};
+    for (int i = 0; i < 2; i++) if (ts[i]->slots) b += (ts[i]->mask + 1) * (sizeof(uint32_t) + sizeof(uint16_t));
     for (size_t n = 0; n < c->nnodes; n++) b += (c->nodes[n].heap[0].cap + c->nodes[n].heap[1].cap) * sizeof(Entry);
     return PyLong_FromSize_t(b);
 }
@@ -824,6 +850,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     c->holder_ids = PyDict_New(); c->holder_list = PyList_New(0);
     if (!c->ns_ids || !c->ns_list || !c->node_ids || !c->node_list || !c->holder_ids || !c->holder_list) return -1;
     c->chunk_free = c->unit_free = c->edge_free = c->wait_free = c->lease_free = c->replica_free = NIL;
+    c->mute = NIL;
     for (int i = 0; i <= MAX_POOLED_WORLD; i++) c->shard_free[i] = NIL;
     for (int i = 0; i < 256; i++) c->keys[i].free = NIL;
     return 0;
@@ -831,7 +858,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
 static void Core_dealloc(Core *c) {
     for (int i = 0; i < 256; i++) PyMem_RawFree(c->keys[i].a);
     void *arrays[] = {c->chunks, c->shards, c->units, c->edges, c->waits, c->leases, c->replicas, c->rkeys, c->rheads, c->wk, c->pset,
-                      c->plist, c->pkeys, c->ctab.slots, c->utab.slots, c->otab.slots, c->ctab.tags, c->utab.tags, c->otab.tags};
+                      c->plist, c->pkeys, c->ctab.slots, c->otab.slots, c->ctab.tags, c->otab.tags};
     for (size_t i = 0; i < sizeof arrays / sizeof *arrays; i++) PyMem_RawFree(arrays[i]);
     for (size_t n = 0; n < c->nnodes; n++) { PyMem_RawFree(c->nodes[n].heap[0].a); PyMem_RawFree(c->nodes[n].heap[1].a); }
     PyMem_RawFree(c->nodes);

@@ -2,11 +2,14 @@
  *
  * The same decisions as tierstore.control.index.ChunkIndex (LRU policy, replicas of hot chunks),
  * every per-chunk record in a flat array instead of Python objects:
- *   - chunks and units are found by 64-bit hashes of (namespace id, key) and
- *     (namespace id, boundary) in open-addressing tables (linear probing, deletion by
- *     backward shift; each slot carries 8 bits of its hash and its probe distance), a
- *     hit confirmed against the key bytes, which live in a pool per key length;
- *   - a chunk's shards (one per rank) are a run of 12-byte records;
+ *   - chunks are found by a 64-bit hash of (namespace id, boundary) in one
+ *     open-addressing table (linear probing, deletion by backward shift; each slot
+ *     carries 8 bits of its hash and its probe distance), a hit confirmed against the key
+ *     bytes, which live in a pool per key length. A unit is found through any of its
+ *     chunks: they share its boundary, so its hash (a unit has no table of its own; a
+ *     boundary's chunks, one per KV cache group, lie in one probe run);
+ *   - a chunk's shards (one per rank) are 12-byte records: in the chunk's record when it
+ *     has one rank, else a run in the shard pool;
  *   - the prefix tree's edges, the orphans' waits and the leases are pooled records
  *     linked by 32-bit indices;
  *   - the candidate heaps per (node, tier) hold (rank, unit) pairs, checked when popped,
@@ -37,6 +40,8 @@
 #define DISK 1
 #define COMPACT_MIN 1024
 #define MAX_POOLED_WORLD 256
+#define MAX_WORLD ((1u << 24) - 1) /* ranks in a chunk: an offer of a larger world is refused */
+#define MAX_NAMESPACES (1u << 24)
 
 /* shard flags */
 #define S_HELD 1u
@@ -63,11 +68,14 @@ enum { A_DROP, A_DEMOTE, A_PROMOTE, A_PERSIST, A_PUSH, N_ACTION_KINDS };
 /* A free run of shards keeps the next free run's index in ``nbytes``. */
 typedef struct { uint64_t nbytes; uint32_t node : 24; uint32_t flags : 8; } Shard;
 
-/* The key's bytes live in the key pool of its length (at ``keyref``); a chunk's hash is
- * recomputed from them when its table grows. */
+/* The key's bytes live in the key pool of its length (at ``keyref``); a chunk's hash (its
+ * boundary's) is recomputed from them when the table grows. A chunk of one rank holds
+ * its shard (most do: TP=1); a wider one the index of its run in the shard pool. */
 typedef struct {
-    uint32_t ns, unit, shards, next, lease, world, present, keyref;
-    uint8_t keylen, alive, has_replicas; /* its replicas' list head: in Core.rheads */
+    uint32_t ns : 24, keylen : 8;
+    uint32_t world : 24, alive : 1, has_replicas : 1, : 6; /* replicas' list head: Core.rheads */
+    uint32_t unit, next, lease, present, keyref;
+    union { uint32_t run; Shard one; } sh;
 } Chunk;
 
 /* A replica of a whole chunk in ``node``'s CPU tier, ``landed`` ranks arrived (ready when
@@ -78,7 +86,8 @@ typedef struct { uint32_t chunk, node, landed, cnext, lprev, lnext; } Replica;
 /* A unit's namespace, boundary and hash are its first chunk's. */
 typedef struct {
     uint64_t rank;
-    uint32_t chunks, parents, children, waits, cpu_copies, cpu_children, flags;
+    uint32_t chunks, parents, children, waits, cpu_children;
+    uint32_t cpu_copies : 24, flags : 8; /* its shards' CPU copies: at most a few per rank */
 } Unit;
 
 /* A child's parents are few (one per chain through it): a singly linked list. */
@@ -105,7 +114,7 @@ typedef struct { uint32_t *slots; uint16_t *tags; size_t mask, count; } Table;
 #define TAG_OF(meta) ((uint16_t)((meta) & 0xff00u))
 #define DIST_OF(meta) ((size_t)((meta) & 0xffu))
 typedef struct { uint8_t *a; size_t n, cap; uint32_t free; } KeyPool; /* keys of one length */
-enum { T_CHUNK, T_UNIT, T_ORPHAN };
+enum { T_CHUNK, T_ORPHAN };
 
 /* Who may not be evicted in one walk: the call's protected units (flagged U_PROT), and
  * one ``extra`` unit (a demotion's own, or a store's last resort's only one). */
@@ -114,10 +123,11 @@ typedef struct { int flagged; uint32_t extra; } Prot;
 /* A protected boundary, flagged when a walk first needs it (most calls make no walk). */
 typedef struct { uint32_t ns; const uint8_t *b; size_t blen; uint64_t h; } PKey;
 
-/* A parsed ShardOffer, its key's, boundary's and parent boundary's hashes computed once. */
+/* A parsed ShardOffer, its boundary's and parent boundary's hashes computed once (a
+ * chunk's hash is its boundary's). */
 typedef struct {
     uint32_t ns; const uint8_t *key; size_t len; long long rank, world; uint64_t nbytes;
-    const uint8_t *parent; size_t plen; uint64_t hash, uhash, phash; int valid;
+    const uint8_t *parent; size_t plen; uint64_t hash, phash; int valid;
 } Offer;
 
 typedef struct {
@@ -133,7 +143,8 @@ typedef struct {
     /* chunk -> its first replica, for the few chunks with one (a field in every chunk
      * record would cost 4 bytes a chunk): linear probing, keys NIL when free. */
     uint32_t *rkeys, *rheads; size_t rmask, rcount;
-    Table ctab, utab, otab;
+    Table ctab, otab;
+    uint32_t mute; /* a node whose actions are discarded (forget_node's), else NIL */
     KeyPool keys[256];
     Node *nodes; size_t nnodes;
     Wakeup *wk; size_t nwk, capwk; uint64_t tie;
@@ -155,7 +166,11 @@ typedef struct {
 /* Shared by compact_core.c (the decisions) and compact_index.c (the Python type), and
  * by nothing else: hidden from the module's exported symbols. */
 #define INTERNAL __attribute__((visibility("hidden")))
-#define SHARD(c, ch, r) (&(c)->shards[(ch)->shards + (r)])
+static inline Shard *shard_at(Core *c, Chunk *ch, uint32_t r) {
+    return ch->world == 1 ? &ch->sh.one : &c->shards[ch->sh.run + r];
+}
+/* A pointer into a chunk's record: valid until the next chunk is made. */
+#define SHARD(c, ch, r) shard_at((c), (ch), (uint32_t)(r))
 
 static inline size_t boundary_len(size_t keylen) { return keylen > GROUP_BYTES ? keylen - GROUP_BYTES : 0; }
 
@@ -194,6 +209,8 @@ INTERNAL uint32_t find_unit(Core *c, uint32_t ns, const uint8_t *b, size_t blen,
 INTERNAL void gain(Core *c, uint32_t u, Shard *s, int tier);
 INTERNAL void *grow(void *p, size_t *cap, size_t need, size_t size);
 INTERNAL uint64_t hash_bytes(const uint8_t *p, size_t n, uint32_t ns);
+/* A chunk's hash: its boundary's (what find_chunk takes). */
+static inline uint64_t key_hash(const uint8_t *key, size_t len, uint32_t ns) { return hash_bytes(key, boundary_len(len), ns); }
 INTERNAL int is_leased(Core *c, uint32_t ci, double now);
 INTERNAL void lease(Core *c, uint32_t ci, uint32_t holder, double now, double until);
 INTERNAL void lose(Core *c, uint32_t u, Shard *s, int tier);

@@ -6,12 +6,14 @@ walks them in the interpreter. This index makes the same decisions, in the same 
 from flat arrays in a C extension (``compact_index.c``, built as
 ``tierstore.control._compact_index``):
 
-- chunks and units are found by 64-bit hashes of ``(namespace, key)`` and
-  ``(namespace, boundary)`` in open-addressing tables, each hit confirmed against the
-  key bytes kept in the chunk's record; namespaces, nodes and lease holders are interned
-  once, as small integers;
-- a chunk's shards are a run of 12-byte records; the prefix tree's edges, the waits of
-  units whose parent is absent, and the leases are pooled records linked by index;
+- chunks are found by a 64-bit hash of ``(namespace, boundary)`` in one open-addressing
+  table, each hit confirmed against the key bytes; a unit through any of its chunks
+  (they share its boundary), so units need no table of their own; namespaces, nodes and
+  lease holders are interned once, as small integers;
+- a chunk's shards are 12-byte records, in the chunk's own 40-byte record when it has
+  one rank, else a run in a pool; units are 32-byte records; the prefix tree's edges,
+  the waits of units whose parent is absent, and the leases are pooled records linked
+  by index;
 - the candidate heaps per (node, tier), the parked units and their wake-ups are the
   reference's, as arrays of ``(rank, unit)``.
 
@@ -30,6 +32,9 @@ adaptive target are a second policy engine in C): the constructor refuses it, an
 The per-(chunk, node) load counts that decide when a replica is made stay in Python, as
 ChunkIndex's (:class:`~tierstore.control.index_model.RemoteLoads`): a few thousand
 entries, touched once per load.
+
+Limits the reference has not: a chunk of at most 2**24 - 1 ranks (an offer of a larger
+world is refused as one whose rank is outside it), 2**24 namespaces and 2**24 nodes.
 
 The extension is optional at install (no C compiler: :func:`available` is False and
 :func:`make_index` builds a ChunkIndex, the same decisions at the reference's speed).
@@ -188,7 +193,8 @@ class CompactChunkIndex:
 
     def forget_node(self, node: NodeId) -> Actions:
         """As :meth:`ChunkIndex.forget_node` (its drops in another order: the reference's
-        follows a set's)."""
+        follows a set's). Units are rescued by replicas in the same (UnitId) order; only
+        those with a replica are sorted, the others cannot be rescued."""
         raw = self._core.forget_node(node)
         self._registered.discard(node)
         self._sync()
