@@ -23,7 +23,7 @@ from tierstore.control.index import ChunkIndex, Watermarks
 from tierstore.data.checksum import digest
 from tierstore.data.tiers.disk import DiskTier
 from tierstore.data.tiers.memory import MemoryTier
-from tierstore.errors import ChunkCorruptError, UnknownNodeError
+from tierstore.errors import ActorUnavailableError, ChunkCorruptError, UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, root_of, shard_of
 from tierstore.store.evictor_shards import ShardedEvictorPort, failed_shards
 from tierstore.store.node_store import NodeStoreCore
@@ -282,3 +282,16 @@ def test_a_shard_let_go_of_is_still_reported_to_its_own_shard(node: Node) -> Non
     assert node.shards[1].called("report_corrupt_after_hit") == []
     assert [s.index.stats.corrupt_after_hit for s in node.shards] == [1, 0]
     assert (a, TierName.CPU) not in node.shards[0].held()  # its unit forgotten there
+
+
+def test_a_report_that_cannot_reach_a_shard_reaches_the_others(node: Node) -> None:
+    node.store([A, B])
+    gone = ShardId(NS, _key(99, 0, 0), 0)  # not held: its report goes to every shard
+
+    def dead(node_id: str, shard_ids: list[ShardId]) -> Answered[None]:
+        raise ActorUnavailableError("Evictor shard 0 is gone")
+
+    node.shards[0].forget_shards = dead  # type: ignore[method-assign]
+    node.port.forget_shards(NODE, [gone])
+    assert node.shards[1].called("forget_shards") == [[gone]]
+    assert [(s, type(e)) for s, e in node.failures] == [(0, ActorUnavailableError)]

@@ -31,9 +31,11 @@ thrown away (those shards changed their indexes, and the room they made must be 
 a failed shard's units are refused (no flags), its restored copies are neither accepted
 nor dropped (kept unindexed until that shard hears the node again), and
 ``on_failure(shard, error)`` is called for each failed shard (default: a WARNING log),
-from the thread that waits on the answer. The caller passes an ``on_failure`` that
-reregisters the node with that shard (a restarted shard also asks the NodeStore to,
-see ``tierstore.actors.evictor``).
+from the thread that waits on the answer. A one-way report's reply is dropped, so a
+shard it could not even be sent to goes to ``on_failure`` at once (the other shards
+still get theirs). The caller passes an ``on_failure`` that reregisters the node with a
+shard that does not know it (a restarted shard also asks the NodeStore to, see
+``tierstore.actors.evictor``).
 
 Any thread, as the NodeStore's own port; holds no lock.
 """
@@ -94,6 +96,10 @@ class Merged(Generic[T, R]):
         self._replies = replies  # a send that raised is kept as its error; None: no reply
         self._merge = merge
         self._on_failure = on_failure
+
+    def unsent(self) -> list[tuple[int, BaseException]]:
+        """The shards the call could not be sent to, with why."""
+        return [(s, r) for s, r in self._replies.items() if isinstance(r, BaseException)]
 
     def result(self, timeout_s: float | None = None) -> T:
         """Waits on every shard's reply (``timeout_s`` for all of them together; default:
@@ -276,8 +282,12 @@ class ShardedEvictorPort:
     def _report(
         self, shards: Iterable[int], call: Callable[[EvictorPort, int], Reply[None]]
     ) -> Merged[None, None]:
-        """A one-way report to each of ``shards`` (its reply is usually dropped)."""
-        return self._send(shards, call, _none)
+        """A one-way report to each of ``shards`` (its reply is usually dropped, so a
+        shard it could not even be sent to is passed to ``on_failure`` now)."""
+        merged = self._send(shards, call, _none)
+        for shard, error in merged.unsent():
+            self._on_failure(shard, error)
+        return merged
 
 
 def _partition(items: range, where: list[int]) -> dict[int, list[int]]:
