@@ -97,9 +97,13 @@ class Merged(Generic[T, R]):
         self._merge = merge
         self._on_failure = on_failure
 
-    def unsent(self) -> list[tuple[int, BaseException]]:
-        """The shards the call could not be sent to, with why."""
-        return [(s, r) for s, r in self._replies.items() if isinstance(r, BaseException)]
+    def take_unsent(self) -> list[tuple[int, BaseException]]:
+        """The shards the call could not be sent to, with why; :meth:`result` no longer
+        counts them (the caller handled them)."""
+        unsent = [(s, r) for s, r in self._replies.items() if isinstance(r, BaseException)]
+        for shard, _ in unsent:
+            self._replies[shard] = None
+        return unsent
 
     def result(self, timeout_s: float | None = None) -> T:
         """Waits on every shard's reply (``timeout_s`` for all of them together; default:
@@ -168,8 +172,7 @@ class ShardedEvictorPort:
     def admit_units(self, node_id: str, units: list[UnitOffer]) -> Reply[UnitDecision]:
         if len(self._shards) == 1:
             return self._shards[0].admit_units(node_id, units)
-        where = [self.shard_of(unit.root) for unit in units]
-        parts = _partition(range(len(units)), where)
+        parts = _partition([self.shard_of(unit.root) for unit in units])
 
         def merge(answers: dict[int, UnitDecision | None]) -> UnitDecision:
             flags: list[list[bool]] = [[] for _ in units]  # a failed shard's: refused
@@ -188,8 +191,7 @@ class ShardedEvictorPort:
     ) -> Reply[Decision]:
         if len(self._shards) == 1:
             return self._shards[0].restore(node_id, held, grace)
-        where = [self.shard_of(offer.root) for offer, _ in held]
-        parts = _partition(range(len(held)), where)
+        parts = _partition([self.shard_of(offer.root) for offer, _ in held])
 
         def merge(answers: dict[int, Decision | None]) -> Decision:
             accepted = [False] * len(held)  # a failed shard's: not accepted, not dropped
@@ -285,16 +287,16 @@ class ShardedEvictorPort:
         """A one-way report to each of ``shards`` (its reply is usually dropped, so a
         shard it could not even be sent to is passed to ``on_failure`` now)."""
         merged = self._send(shards, call, _none)
-        for shard, error in merged.unsent():
+        for shard, error in merged.take_unsent():
             self._on_failure(shard, error)
         return merged
 
 
-def _partition(items: range, where: list[int]) -> dict[int, list[int]]:
-    """The indexes of ``items`` by shard (``where[i]``), each list in order."""
+def _partition(where: list[int]) -> dict[int, list[int]]:
+    """Item indexes by shard (item i's is ``where[i]``), each shard's in order."""
     parts: dict[int, list[int]] = {}
-    for i in items:
-        parts.setdefault(where[i], []).append(i)
+    for i, shard in enumerate(where):
+        parts.setdefault(shard, []).append(i)
     return parts
 
 
