@@ -25,6 +25,7 @@ from tierstore.data.tiers.disk import DiskTier, chunk_records
 from tierstore.data.tiers.disk_folder import FOLDER_NAME
 from tierstore.data.tiers.slab import HEADER_ROOM
 from tierstore.errors import ChunkCorruptError, ChunkNotFoundError
+from tierstore.fields import MAX_SLOTS
 from tierstore.keys import ChunkKey, Namespace, ShardId
 
 NS = Namespace("0123abcd")
@@ -93,7 +94,10 @@ _BAD_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     | st.binary(min_size=4, max_size=4).map(lambda g: b"\x07" * 8 + b"\xff" + g[1:]),
     "rank": _not_int | _negative | st.integers(1, _U64),  # rank >= world_size (1)
     "length": _not_int | _negative | st.integers(PAYLOAD.nbytes + 1, _U64),
-    "slot_mask": _not_int | _negative,
+    # Bytes up to MAX_SLOTS bits are a slot mask too (one of more than 64 slots).
+    "slot_mask": _not_int.filter(lambda v: not isinstance(v, bytes))
+    | _negative
+    | st.binary(min_size=MAX_SLOTS // 8 + 1, max_size=MAX_SLOTS // 8 + 8),
     "checksum": _values.filter(lambda v: v != CHECKSUM_ALGORITHM),
     "digest": _not_int | _negative,
     "world_size": _not_int | st.integers(-(1 << 63), 0) | st.integers(1 << 31, _U64),
