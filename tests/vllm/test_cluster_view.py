@@ -13,8 +13,14 @@ from typing import Any
 
 from tierstore.control.events import EventBatch, ResidencyEvent
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
-from tierstore.vllm.cluster_view import ClusterView, Presence
-from tierstore.vllm.metrics import ManagerMetrics
+from tierstore.vllm.cluster_view import STATUS_PERIOD_S, ClusterView, Presence
+from tierstore.vllm.metrics import (
+    CLUSTER,
+    TIER_CAPACITY,
+    TIER_CHUNKS,
+    TIER_USED,
+    ManagerMetrics,
+)
 
 NS = Namespace("view-test")
 A, B = NodeId("node-a"), NodeId("node-b")
@@ -31,20 +37,28 @@ def event(node: NodeId, tier: TierName, removed: bool, *keys: int) -> ResidencyE
 
 
 class ManualChannel:
-    """Records each poll; the test answers it (as the channel's thread would)."""
+    """Records each poll (to ``shards`` Evictor shards); the test answers it (as the
+    shard's channel thread would)."""
 
-    def __init__(self) -> None:
-        self.polls: list[tuple[str, Callable[[Any], None]]] = []
+    def __init__(self, shards: int = 1) -> None:
+        self.shards = shards
+        self.polls: list[tuple[str, int, Callable[[Any], None]]] = []
 
-    def poll(self, call: Callable[[Any], Any], on_done: Callable[[Any], None], what: str) -> None:
-        self.polls.append((what, on_done))
+    def poll(
+        self,
+        call: Callable[[Any], Any],
+        on_done: Callable[[Any], None],
+        what: str,
+        shard: int = 0,
+    ) -> None:
+        self.polls.append((what, shard, on_done))
 
     def sibling(self) -> ManualChannel:
         return self
 
-    def answer(self, what: str, value: Any) -> None:
-        (i,) = [i for i, (w, _) in enumerate(self.polls) if w == what]
-        self.polls.pop(i)[1](value)
+    def answer(self, what: str, value: Any, shard: int = 0) -> None:
+        (i,) = [i for i, (w, s, _) in enumerate(self.polls) if w == what and s == shard]
+        self.polls.pop(i)[2](value)
 
 
 def _in_memory(view: ClusterView, k: ChunkKey, now: float, node: NodeId) -> NodeId | None:
@@ -52,8 +66,8 @@ def _in_memory(view: ClusterView, k: ChunkKey, now: float, node: NodeId) -> Node
     return view.loadable_from(k, now, node, stored_here_lately=False)
 
 
-def _view() -> tuple[ClusterView, ManualChannel]:
-    channel = ManualChannel()
+def _view(shards: int = 1) -> tuple[ClusterView, ManualChannel]:
+    channel = ManualChannel(shards)
     view = ClusterView(channel, NS, threading.RLock(), ManagerMetrics(), None, AGE_S)  # type: ignore[arg-type]
     return view, channel
 
@@ -178,3 +192,102 @@ def test_a_snapshot_of_many_chunks_costs_at_most_16_bytes_each() -> None:
     presence.apply([event(A, CPU, False, *range(n)), event(B, DISK, False, *range(0, n, 3))])
     assert len(presence) == n and presence.nbytes / n <= 16
     assert presence.in_memory(key(3), B) == A and presence.in_memory(key(n), A) is None
+
+
+# ---- sharded Evictors: every poll to every shard, the snapshot their union -------------------
+def test_two_shards_presence_is_their_union_and_waits_for_both() -> None:
+    """A key held via shard 1 is a view hit as one via shard 0 is; the snapshot is taken
+    only once both shards answered, and kept fresh by both shards' events."""
+    view, channel = _view(shards=2)
+    view.maybe_poll(0.0)
+    assert sorted((w, s) for w, s, _ in channel.polls) == [
+        ("events", 0),
+        ("events", 1),
+        ("status", 0),
+        ("status", 1),
+    ]
+    channel.answer("events", EventBatch(3, 0, [event(A, CPU, False, 1)], "s0"), shard=0)
+    assert not view.absent(key(2), 0.01)  # shard 1 not in yet: no snapshot, every key asked
+    channel.answer("events", EventBatch(8, 0, [event(B, CPU, False, 2)], "s1"), shard=1)
+    assert _in_memory(view, key(2), 0.05, A) == B  # held via shard 1: a view hit
+    assert _in_memory(view, key(1), 0.05, A) == A
+    assert view.absent(key(3), 0.05)
+    view.maybe_poll(0.15)  # events since each shard's own cursor
+    channel.answer("events", EventBatch(4, 0, [event(A, CPU, False, 3)], "s0"), shard=0)
+    channel.answer("events", EventBatch(9, 0, [event(B, CPU, True, 2)], "s1"), shard=1)
+    assert not view.absent(key(3), 0.2) and view.absent(key(2), 0.2)
+
+
+def test_a_shard_whose_events_poll_failed_ages_the_whole_snapshot_out() -> None:
+    """The snapshot is as fresh as its stalest shard: a chunk stored via shard 1 since
+    its last answer may be missing, so the view stops answering MISS when that ages."""
+    view, channel = _view(shards=2)
+    view.maybe_poll(0.0)
+    channel.answer("events", EventBatch(0, 0, [], "s0"), shard=0)
+    channel.answer("events", EventBatch(0, 0, [], "s1"), shard=1)
+    view.maybe_poll(0.15)
+    channel.answer("events", EventBatch(0, 0, [], "s0"), shard=0)
+    channel.answer("events", None, shard=1)
+    assert view.absent(key(1), 0.19) and not view.absent(key(1), 0.21)
+
+
+def test_a_gap_on_one_shard_drops_the_snapshot_and_every_shard_is_asked_again() -> None:
+    for gap in (EventBatch(9, 3, [], "s1"), EventBatch(2, 0, [], "s1-restarted")):
+        view, channel = _view(shards=2)
+        view.maybe_poll(0.0)
+        channel.answer("events", EventBatch(5, 0, [event(A, CPU, False, 1)], "s0"), shard=0)
+        channel.answer("events", EventBatch(5, 0, [], "s1"), shard=1)
+        assert view.absent(key(2), 0.05)
+        view.maybe_poll(0.15)
+        channel.answer("events", EventBatch(5, 0, [], "s0"), shard=0)
+        channel.answer("events", gap, shard=1)
+        assert not view.absent(key(2), 0.16)  # dropped: every key is asked meanwhile
+        view.maybe_poll(0.3)  # a new snapshot, from both shards
+        polled = sorted(s for w, s, _ in channel.polls if w == "events")
+        assert polled == [0, 1]
+        channel.answer("events", EventBatch(6, 0, [event(A, CPU, False, 1)], "s0"), shard=0)
+        channel.answer("events", EventBatch(3, 0, [event(B, CPU, False, 2)], gap.epoch), shard=1)
+        assert view.absent(key(3), 0.31) and _in_memory(view, key(2), 0.31, A) == B
+
+
+def test_a_snapshot_round_with_a_failed_shard_is_not_kept() -> None:
+    view, channel = _view(shards=2)
+    view.maybe_poll(0.0)
+    channel.answer("events", EventBatch(1, 0, [event(A, CPU, False, 1)], "s0"), shard=0)
+    channel.answer("events", None, shard=1)
+    assert not view.absent(key(2), 0.01)  # no snapshot: shard 1's part is missing
+    view.maybe_poll(0.15)  # asked again, of both shards
+    assert sorted(s for w, s, _ in channel.polls if w == "events") == [0, 1]
+
+
+def test_the_status_gauges_sum_every_shards_last_status() -> None:
+    """Each shard holds its share of a node's capacity and its own chunks and counters:
+    the gauges are the sums; a shard that fails a poll counts with its last answer."""
+    metrics = ManagerMetrics()
+    channel = ManualChannel(shards=2)
+    view = ClusterView(channel, NS, threading.RLock(), metrics, None, AGE_S)  # type: ignore[arg-type]
+
+    def status(used: int, hits: int) -> dict[str, Any]:
+        cpu = {"used_bytes": used, "capacity_bytes": 500, "chunks": used // 100}
+        return {"nodes": {A: {"cpu": cpu}}, "totals": {"hits": hits}}
+
+    def gauges() -> dict[str, Any]:
+        stats = metrics.take()
+        assert stats is not None
+        values: dict[str, Any] = stats.data["data"]
+        return {
+            name: by_labels.get((A, "cpu"), by_labels.get(())) for name, by_labels in values.items()
+        }
+
+    view.maybe_poll(0.0)
+    channel.answer("status", status(100, 2), shard=0)
+    assert metrics.take() is None  # shard 1 not in yet
+    channel.answer("status", status(300, 5), shard=1)
+    got = gauges()
+    assert got[TIER_USED] == 400 and got[TIER_CAPACITY] == 1000 and got[TIER_CHUNKS] == 4
+    assert got[CLUSTER + "hits"] == 7
+    view.maybe_poll(STATUS_PERIOD_S)
+    channel.answer("status", status(200, 6), shard=0)
+    channel.answer("status", None, shard=1)
+    got = gauges()
+    assert got[TIER_USED] == 500 and got[CLUSTER + "hits"] == 11

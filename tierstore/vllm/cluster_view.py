@@ -14,23 +14,30 @@ lost hit and never wrong output. Whatever breaks the chain (the log wrapped past
 reader, the Evictor restarted) drops it until a new snapshot lands; meanwhile, and
 whenever it is stale (an idle scheduler polls nothing), every key is asked as before.
 
+With sharded Evictors (``evictor_shards``), every poll goes to every shard: each shard
+has its own event cursor (sequence number and epoch), the snapshot is the union of
+every shard's (taken only when all of them answered), as fresh as its stalest shard, and
+a gap in any shard's chain drops it whole (a new one from every shard next). The status
+gauges are every shard's last status, summed.
+
 Polls are sent from the scheduler thread (:meth:`ClusterView.maybe_poll`) and answered on
-the Evictor channel's thread; both hold the manager's lock.
+the Evictor channel's threads (one per shard); both hold the manager's lock.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
-from tierstore.vllm.evictor_channel import EvictorChannel
+from tierstore.vllm.evictor_channel import EvictorCalls, EvictorChannel
 from tierstore.vllm.key_table import KeyTable
-from tierstore.vllm.metrics import ManagerMetrics
+from tierstore.vllm.metrics import ManagerMetrics, sum_status
 from tierstore.vllm.residency import EventQueue
-from tierstore.wire import EventBatch, ResidencyEvent
+from tierstore.wire import EventBatch, Reply, ResidencyEvent
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +146,7 @@ class ClusterView:
         are always told apart in the snapshot)."""
         self._local = local
         self._channel = channel.sibling()
+        self._shards = self._channel.shards
         self._namespace = namespace
         self._lock = lock
         self._metrics = metrics
@@ -147,12 +155,18 @@ class ClusterView:
         # Events are polled this often: the snapshot is refreshed twice within its age.
         self._events_period_s = max_age_s / 2 if max_age_s else STATUS_PERIOD_S
         self._presence: Presence | None = None  # None: none trusted (not built, broken)
-        self._refreshed_at = float("-inf")  # when the poll the snapshot reflects was sent
+        # When the poll each shard's part of the snapshot reflects was sent, and the
+        # oldest of them: the snapshot is as fresh as its stalest shard.
+        self._shard_refreshed = [float("-inf")] * self._shards
+        self._refreshed_at = float("-inf")
         self._dropped_at = float("-inf")  # a snapshot sent before this is not trusted
-        self._seq = 0
-        self._epoch = ""
+        # Each shard's event cursor: its log's next sequence number and epoch.
+        self._seq = [0] * self._shards
+        self._epoch = [""] * self._shards
+        self._status: list[dict[str, Any] | None] = [None] * self._shards  # last of each
         self._due = {"status": 0.0, "events": 0.0}
-        self._in_flight: set[str] = set()
+        # Kinds polled and not answered by every shard yet: answers still to come.
+        self._in_flight: dict[str, int] = {}
 
     def close(self) -> None:
         self._channel.close()
@@ -208,71 +222,118 @@ class ClusterView:
 
     # ---- polls (scheduler thread) ------------------------------------------------------
     def maybe_poll(self, now: float) -> None:
-        """Send the polls that are due; at most one of each kind in flight."""
+        """Send the polls that are due, each to every Evictor shard; at most one round of
+        each kind in flight."""
         if self._ready("status", now, STATUS_PERIOD_S):
-            self._channel.poll(lambda e: e.status(), self._on_status, "status")
+            for shard in range(self._shards):
+                self._channel.poll(
+                    lambda e: e.status(), functools.partial(self._on_status, shard), "status", shard
+                )
         if (self._events is None and not self._max_age_s) or not self._ready(
             "events", now, self._events_period_s
         ):
             return
         namespace = self._namespace
         if self._max_age_s and self._presence is None:
-            self._channel.poll(
-                lambda e: e.presence(namespace), lambda b: self._on_snapshot(b, now), "events"
-            )
+            parts: list[EventBatch | None] = [None] * self._shards
+            for shard in range(self._shards):
+                self._channel.poll(
+                    lambda e: e.presence(namespace),
+                    functools.partial(self._on_snapshot, shard, parts, now),
+                    "events",
+                    shard,
+                )
             return
-        after = self._seq
-        self._channel.poll(
-            lambda e: e.events_since(after, namespace), lambda b: self._on_events(b, now), "events"
-        )
+        for shard, after in enumerate(self._seq):
+            self._channel.poll(
+                _events_since(after, namespace),
+                functools.partial(self._on_events, shard, now),
+                "events",
+                shard,
+            )
 
     def _ready(self, kind: str, now: float, period_s: float) -> bool:
         if kind in self._in_flight or now < self._due[kind]:
             return False
-        self._in_flight.add(kind)
+        self._in_flight[kind] = self._shards
         self._due[kind] = now + period_s
         return True
 
-    # ---- answers (the channel's thread) ------------------------------------------------
-    def _on_status(self, status: dict[str, Any] | None) -> None:
-        with self._lock:
-            self._in_flight.discard("status")
-            if status is not None:
-                self._metrics.cluster_status(status)
+    # ---- answers (the channels' threads, one per shard) -------------------------------
+    def _answered(self, kind: str) -> bool:
+        """One shard answered a poll of ``kind`` (lock held); whether it was the last."""
+        left = self._in_flight[kind] - 1
+        if left:
+            self._in_flight[kind] = left
+            return False
+        del self._in_flight[kind]
+        return True
 
-    def _on_snapshot(self, batch: EventBatch | None, sent_at: float) -> None:
-        presence = Presence(self._local)
-        if batch is not None:  # built off the lock: it may be the whole namespace
-            presence.apply(batch.events)
+    def _on_status(self, shard: int, status: dict[str, Any] | None) -> None:
         with self._lock:
-            self._in_flight.discard("events")
-            if batch is None or sent_at < self._dropped_at:
+            if status is not None:
+                self._status[shard] = status
+            if self._answered("status"):  # the cluster's: every shard's last one, summed
+                self._metrics.cluster_status(sum_status(s for s in self._status if s))
+
+    def _on_snapshot(
+        self, shard: int, parts: list[EventBatch | None], sent_at: float, batch: EventBatch | None
+    ) -> None:
+        """A shard's part of a snapshot round: the round is kept only once every shard's
+        part landed, and only if none failed."""
+        with self._lock:
+            parts[shard] = batch
+            if not self._answered("events"):
                 return
-            self._presence, self._refreshed_at = presence, sent_at
-            self._seq, self._epoch = batch.next_seq, batch.epoch
+        batches = [b for b in parts if b is not None]
+        if len(batches) < len(parts):
+            return  # a shard failed: the next round asks every shard again
+        presence = Presence(self._local)
+        for part in batches:  # built off the lock: it may be the whole namespace
+            presence.apply(part.events)
+        with self._lock:
+            if sent_at < self._dropped_at:
+                return
+            self._presence = presence
+            self._shard_refreshed = [sent_at] * self._shards
+            self._refreshed_at = sent_at
+            self._seq = [b.next_seq for b in batches]
+            self._epoch = [b.epoch for b in batches]
             logger.debug(
-                "presence snapshot: %d chunks of %s in %d bytes",
+                "presence snapshot: %d chunks of %s in %d bytes (%d Evictor shards)",
                 len(presence),
                 self._namespace,
                 presence.nbytes,
+                self._shards,
             )
-            self._forward(batch.events)
+            for part in batches:
+                self._forward(part.events)
 
-    def _on_events(self, batch: EventBatch | None, sent_at: float) -> None:
+    def _on_events(self, shard: int, sent_at: float, batch: EventBatch | None) -> None:
         with self._lock:
-            self._in_flight.discard("events")
+            self._answered("events")
             if batch is None:
                 return  # not refreshed: the snapshot ages out unless the next poll lands
             if batch.lost:
-                logger.warning("KV events: %d residency changes lost (log wrapped)", batch.lost)
-            if batch.lost or (self._epoch and batch.epoch != self._epoch):
-                self._presence = None  # a gap in the chain: a new snapshot next
+                logger.warning(
+                    "KV events: %d residency changes lost (Evictor shard %d's log wrapped)",
+                    batch.lost,
+                    shard,
+                )
+            if batch.lost or (self._epoch[shard] and batch.epoch != self._epoch[shard]):
+                self._presence = None  # a gap in a shard's chain: a new snapshot next
             elif self._presence is not None:
                 self._presence.apply(batch.events)
-                self._refreshed_at = sent_at
-            self._seq, self._epoch = batch.next_seq, batch.epoch
+                self._shard_refreshed[shard] = sent_at
+                self._refreshed_at = min(self._shard_refreshed)
+            self._seq[shard], self._epoch[shard] = batch.next_seq, batch.epoch
             self._forward(batch.events)
 
     def _forward(self, events: list[ResidencyEvent]) -> None:
         if self._events is not None:
             self._events.extend(events)
+
+
+def _events_since(after: int, namespace: Namespace) -> Callable[[EvictorCalls], Reply[EventBatch]]:
+    """The poll of a shard's events after its cursor ``after``."""
+    return lambda e: e.events_since(after, namespace)

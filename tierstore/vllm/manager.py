@@ -22,6 +22,11 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
   node.
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
   methods also take it themselves, so both versions are safe.
+- sharded Evictors (``evictor_shards``): each request's root (the root of its prefix
+  tree, :func:`tierstore.keys.root_of` of its first chunk) is computed once, at its first
+  key, and kept in its :class:`RequestState`; its lookups, lease extensions and releases
+  go to that root's shard only (one call per request and step), and its transfer specs
+  carry the root to the workers.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from vllm.v1.kv_offload.base import (
 
 from tierstore.config import TierStoreConfig
 from tierstore.errors import TierStoreError
-from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of
+from tierstore.keys import ChunkKey, Namespace, NodeId, TierName, group_of, root_of
 from tierstore.vllm import metrics
 from tierstore.vllm.cluster_view import ClusterView
 from tierstore.vllm.evictor_channel import EvictorChannel
@@ -101,10 +106,10 @@ class TierStoreManager(OffloadingManager):
         self._view_hit_ranks = 0  # ranks a view hit names; 0: no view hits (see below)
         self._view_hit_ttl_s = cfg.presence_max_age_ms / 1000
         self._view_hits = 0  # view hits not counted in the metrics yet (one count a step)
-        # Unasked view hits loaded (to report to the Evictor): this step's, and the last
-        # step's, reported at this step's end.
-        self._loaded_now: list[ChunkKey] = []
-        self._loaded_before: list[ChunkKey] = []
+        # Unasked view hits loaded (to report to the Evictor), each with its request's
+        # root: this step's, and the last step's, reported at this step's end.
+        self._loaded_now: list[tuple[int, ChunkKey]] = []
+        self._loaded_before: list[tuple[int, ChunkKey]] = []
         self._events = EventQueue(local_node) if events_enabled else None
         self._view = ClusterView(
             channel,
@@ -133,6 +138,25 @@ class TierStoreManager(OffloadingManager):
             state = RequestState(holder=f"{self._id}/{req_context.req_id}")
             self._requests[req_context.req_id] = state
         return state
+
+    def _root(self, state: RequestState, ctx: ReqContext, seen: ChunkKey) -> int:
+        """The request's root, computed at its first key (``seen``) and kept: its calls
+        to the Evictor go to one shard for its whole life."""
+        if not state.root:
+            state.root = self._root_of(ctx, seen)
+        return state.root
+
+    def _root_of(self, ctx: ReqContext, seen: ChunkKey) -> int:
+        """The root of the request's prefix tree: that of its first chunk, the key with
+        the smallest position among those vLLM's scheduler recorded for it (it records
+        every offload key of the request, from its first chunk on, before it asks or
+        stores any). Once per request: O(its chunks). Without that record (not a field
+        of this vLLM's ReqContext, or still empty), ``seen``, the first key the manager
+        sees of it: a root that differs from another request's for the same prefix
+        sends their calls to different shards, which costs hits, never correctness."""
+        positions = getattr(ctx, "_offload_key_positions", None)  # a ReqContext field
+        first = min(positions, key=positions.__getitem__) if positions else seen
+        return root_of(self._namespace, cast(ChunkKey, first))
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -174,6 +198,7 @@ class TierStoreManager(OffloadingManager):
         """``key``'s first lookup since its last final answer: MISS if the view says no
         node holds it, HIT if it says one holds it in memory (a view hit, asked only when
         that node is not this one), else RETRY until the Evictor answers."""
+        self._root(state, ctx, key)
         lately = self._known_stored.committing(key, now)  # its commit may not be polled yet
         held, node = self._view.locate(key, now, self._local_node, stored_here_lately=lately)
         if not held and not lately:
@@ -233,9 +258,14 @@ class TierStoreManager(OffloadingManager):
                         state.holder,
                         self._cfg.lease_ttl_s,
                         functools.partial(
-                            self._on_answers, req_id, keys, asked_at=state.unsent_since
+                            self._on_answers,
+                            req_id,
+                            keys,
+                            asked_at=state.unsent_since,
+                            root=state.root,
                         ),
                         node=self._local_node,
+                        root=state.root,
                     )
             self._count_view_hits()
             self._report_loaded(self._loaded_before)
@@ -248,24 +278,28 @@ class TierStoreManager(OffloadingManager):
             self._metrics.count(metrics.VIEW_HITS, self._view_hits)
             self._view_hits = 0
 
-    def _report_loaded(self, keys: list[ChunkKey]) -> None:
-        """Tell the Evictor that unasked view hits were loaded here: a lookup (their
-        recency, as for any hit) and a release counting them loaded, in one batch. A
-        chunk it no longer holds may be offered to a store again."""
-        if not keys:
-            return
+    def _report_loaded(self, loaded: list[tuple[int, ChunkKey]]) -> None:
+        """Tell the Evictor that unasked view hits (each with its request's root) were
+        loaded here: a lookup (their recency, as for any hit) and a release counting them
+        loaded, in one batch, per root (to its shard). A chunk it no longer holds may be
+        offered to a store again."""
+        by_root: dict[int, list[ChunkKey]] = {}
+        for root, key in loaded:
+            by_root.setdefault(root, []).append(key)
         holder = f"{self._id}/loaded"
-        self._channel.lookup(
-            self._namespace,
-            keys,
-            holder,
-            self._cfg.lease_ttl_s,
-            functools.partial(self._on_reported, keys),
-            node=self._local_node,
-        )
-        self._channel.release(
-            self._namespace, keys, holder, loaded=len(keys), node=self._local_node
-        )
+        for root, keys in by_root.items():
+            self._channel.lookup(
+                self._namespace,
+                keys,
+                holder,
+                self._cfg.lease_ttl_s,
+                functools.partial(self._on_reported, keys),
+                node=self._local_node,
+                root=root,
+            )
+            self._channel.release(
+                self._namespace, keys, holder, loaded=len(keys), node=self._local_node, root=root
+            )
 
     def _on_reported(self, keys: list[ChunkKey], answers: list[LookupAnswer]) -> None:
         """Runs on the channel's thread."""
@@ -275,9 +309,14 @@ class TierStoreManager(OffloadingManager):
                     self._known_stored.forget(key)
 
     def _on_answers(
-        self, req_id: str, keys: list[ChunkKey], answers: list[LookupAnswer], asked_at: float
+        self,
+        req_id: str,
+        keys: list[ChunkKey],
+        answers: list[LookupAnswer],
+        asked_at: float,
+        root: int = 0,
     ) -> None:
-        """Runs on the channel's thread."""
+        """Runs on the channel's thread (``root``'s shard's)."""
         now = time.monotonic()
         with self._lock:
             state = self._requests.get(req_id)
@@ -309,7 +348,7 @@ class TierStoreManager(OffloadingManager):
                     # Evicted (or never stored): let the next prepare_store offer it again.
                     self._known_stored.forget(key)
             if late:
-                self._channel.release(self._namespace, late, holder)
+                self._channel.release(self._namespace, late, holder, root=root)
 
     @override
     def has_pending_work(self) -> bool:
@@ -322,6 +361,8 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._state(req_context)
             ordered = _chunk_keys(keys)
+            if ordered:
+                self._root(state, req_context, ordered[0])
             where = []
             tiers: Counter[TierName] = Counter()
             for key in ordered:
@@ -342,8 +383,10 @@ class TierStoreManager(OffloadingManager):
             not_leased = state.in_flight | state.unasked
             if held := [k for k in ordered if k not in not_leased]:
                 ttl_s = self._cfg.lease_ttl_s
-                self._channel.extend_leases(self._namespace, held, state.holder, ttl_s)
-            return LoadSpec.build(self._namespace, ordered, where)
+                self._channel.extend_leases(
+                    self._namespace, held, state.holder, ttl_s, root=state.root
+                )
+            return LoadSpec.build(self._namespace, ordered, where, state.root)
 
     @override
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -353,13 +396,16 @@ class TierStoreManager(OffloadingManager):
             failed = state is not None and state.load_failed
             chunk_keys = _chunk_keys(keys)
             unasked = state.unasked if state is not None else set()
+            root = state.root if state is not None else 0
+            if not root and chunk_keys:
+                root = self._root_of(req_context, chunk_keys[0])
             if leased := [k for k in chunk_keys if k not in unasked]:
                 loaded = 0 if failed else len(leased)
                 self._channel.release(
-                    self._namespace, leased, holder, loaded=loaded, node=self._local_node
+                    self._namespace, leased, holder, loaded=loaded, node=self._local_node, root=root
                 )
             if not failed:  # reported with the next step's batch
-                self._loaded_now.extend(k for k in chunk_keys if k in unasked)
+                self._loaded_now.extend((root, k) for k in chunk_keys if k in unasked)
             self._observe_job(metrics.LOAD_LATENCY, chunk_keys)
             if state is not None:
                 state.unasked.difference_update(chunk_keys)
@@ -391,7 +437,7 @@ class TierStoreManager(OffloadingManager):
             self._loaded_before, self._loaded_now = [], []
             idle = state.leased - state.loading
             if idle:
-                self._channel.release(self._namespace, list(idle), state.holder)
+                self._channel.release(self._namespace, list(idle), state.holder, root=state.root)
                 state.leased -= idle
             self._maybe_forget(req_context.req_id, state)
 
@@ -407,6 +453,8 @@ class TierStoreManager(OffloadingManager):
         with self._lock:
             state = self._state(req_context)
             chunk_keys = _chunk_keys(keys)
+            if chunk_keys:
+                self._root(state, req_context, chunk_keys[0])
             for key in chunk_keys:
                 state.remember_position(key, req_context)
             fresh = [
@@ -420,7 +468,7 @@ class TierStoreManager(OffloadingManager):
             )
             return PrepareStoreOutput(
                 keys_to_store=cast("list[OffloadKey]", fresh),
-                store_spec=StoreSpec(self._namespace, tuple(fresh), parents),
+                store_spec=StoreSpec(self._namespace, tuple(fresh), parents, state.root),
                 evicted_keys=[],
             )
 

@@ -12,6 +12,7 @@ thread, as gauges: every engine reports the same totals.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -123,6 +124,25 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         "shards kept their memory copies; the node's disk tier is retried later)."
     )
     return out
+
+
+def sum_status(statuses: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Evictor shards' ``status()`` as one cluster's, for :meth:`ManagerMetrics.cluster_status`:
+    each node's tier figures and the totals summed over the shards (each shard holds its
+    share of every node's capacity, its own chunks, its own counters)."""
+    nodes: dict[str, dict[str, dict[str, int]]] = {}
+    totals: dict[str, int] = {}
+    for status in statuses:
+        for node, tiers in status.get("nodes", {}).items():
+            node_tiers = nodes.setdefault(node, {})
+            for tier, figures in tiers.items():
+                summed = node_tiers.setdefault(tier, {})
+                for name, value in figures.items():
+                    summed[name] = summed.get(name, 0) + value
+        for name, value in status.get("totals", {}).items():
+            if isinstance(value, int):
+                totals[name] = totals.get(name, 0) + value
+    return {"nodes": nodes, "totals": totals}
 
 
 class ManagerMetrics:

@@ -31,6 +31,10 @@ class Answer:
 @dataclass
 class RequestState:
     holder: str  # lease holder id at the Evictor
+    # The root of the request's prefix tree (tierstore.keys.root_of), set once by the
+    # manager from the request's first keys: names the Evictor shard its calls go to.
+    # 0 until known.
+    root: int = 0
     answers: dict[ChunkKey, Answer] = field(default_factory=dict)
     # key -> when it was first asked and not answered for good (HIT or MISS) since; a
     # PENDING answer (promotion under way) keeps the first ask's time.

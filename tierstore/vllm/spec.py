@@ -116,8 +116,9 @@ class TierStoreSpecBase(OffloadingSpec):
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
         return metric_definitions()
 
-    def _connect_manager(self) -> tuple[EvictorCalls, NodeId]:
-        """The Evictor's client and this process's node (the scheduler's, once)."""
+    def _connect_manager(self) -> tuple[list[EvictorCalls], NodeId]:
+        """The Evictor shards' clients (index = shard) and this process's node (the
+        scheduler's, once)."""
         raise NotImplementedError
 
     def _connect_worker(self, layout: ChunkLayout) -> OffloadingWorker:
@@ -126,7 +127,7 @@ class TierStoreSpecBase(OffloadingSpec):
 
     def get_manager(self) -> OffloadingManager:
         namespace = self._namespace()
-        evictor, local_node = self._connect_manager()
+        evictors, local_node = self._connect_manager()
         logger.info("tierstore manager: namespace %s", namespace)
         tokens_per_chunk = {
             g.group_id: g.tokens_per_block * self.blocks_per_chunk for g in self.config.groups
@@ -135,7 +136,7 @@ class TierStoreSpecBase(OffloadingSpec):
         return TierStoreManager(
             self.store_config,
             namespace,
-            EvictorChannel(evictor),
+            EvictorChannel(evictors),
             tokens_per_chunk,
             local_node=local_node,
             events_enabled=bool(events and events.enable_kv_cache_events),
