@@ -40,6 +40,7 @@ from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
 from tierstore.store.batch_queue import BatchQueue
+from tierstore.store.evictor_shards import ShardedEvictorPort, failed_shards
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.store.rank_gather import GATHER_WAIT_S
 from tierstore.wire import (
@@ -127,14 +128,20 @@ def capacity_shares(total: int, shards: int) -> list[int]:
 class NodeStore:
     """One node's tiers. Talks to every Evictor shard (found by name, ``cfg.evictor_shards``
     of them): registers with each its share of the node's tiers (:func:`capacity_shares`),
-    and offers each the shards whose root maps to it."""
+    and offers each the shards whose root maps to it (the core's port is a
+    :class:`~tierstore.store.evictor_shards.ShardedEvictorPort` over the shards' clients).
+    A shard that restarted and no longer knows this node (``UnknownNodeError``) has it
+    register and re-offer that shard's part again, as the shard's own reconcile would."""
 
     def __init__(self, node_id: str, cfg: TierStoreConfig) -> None:
         self._evictors = [
             EvictorClient(ray.get_actor(evictor_name(shard), namespace=cfg.namespace))
             for shard in range(cfg.evictor_shards)
         ]
-        evictor = self._evictors[0]
+        self._me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
+        self._reregistering: set[int] = set()  # shards a reregister was sent for
+        self._reregistering_lock = threading.Lock()
+        evictor = ShardedEvictorPort(self._evictors, self._root_of, self._shard_failed)
         self._evictor = evictor
         self._node_id = node_id
         self._cfg = cfg
@@ -162,11 +169,10 @@ class NodeStore:
         self._arena = ArenaStore(self._core, self._cpu)
         self._parked = 0  # shards gathered for their TP group (read by the flusher)
         self._stop = threading.Event()
-        me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
         # Sends this actor a flush of gathered units no commit came to offer; all arena
         # work stays on the control thread, so nothing here needs a lock.
         self._flusher = threading.Thread(
-            target=self._flush_loop, args=(me,), name="tierstore-gather-flush", daemon=True
+            target=self._flush_loop, args=(self._me,), name="tierstore-gather-flush", daemon=True
         )
         self._flusher.start()
         recovered = self._core.register_inventory()
@@ -200,8 +206,43 @@ class NodeStore:
         return self._reregister(shard)
 
     def _reregister(self, shard: int | None = None) -> int:
+        with self._reregistering_lock:  # from here on, a new failure sends another
+            if shard is None:
+                self._reregistering.clear()
+            else:
+                self._reregistering.discard(shard)
         self._register(shard)
-        return self._core.register_inventory(after_evictor_restart=True)
+        return self._core.register_inventory(after_evictor_restart=True, shard=shard)
+
+    def _reregister_failed(self, error: UnknownNodeError) -> None:
+        """A call every shard it went to failed, some (or the one Evictor) not knowing
+        this node: register with the shards that failed and re-offer their parts."""
+        shards = failed_shards(error)
+        if shards is None:
+            self._reregister()
+            return
+        for shard in shards:
+            self._reregister(shard)
+
+    def _root_of(self, shard_id: ShardId) -> int | None:
+        """The root of this node's copy of ``shard_id`` (the port routes reports by it)."""
+        return self._core.root_of(shard_id)
+
+    def _shard_failed(self, shard: int, error: BaseException) -> None:
+        """Evictor shard ``shard``'s part of a call failed while other shards answered
+        (its units refused, its copies left unindexed). One that lost this node
+        (restarted) gets a reregister of this actor, one-way, once until it runs; any other
+        failure (a restart still under way, a stuck shard) is logged: the shard's
+        reconcile asks for the reregister once it is back."""
+        if not isinstance(error, UnknownNodeError):
+            logger.warning("Evictor shard %d did not answer (its part refused): %s", shard, error)
+            return
+        with self._reregistering_lock:
+            if shard in self._reregistering:
+                return
+            self._reregistering.add(shard)
+        logger.info("Evictor shard %d does not know node %s; reregistering", shard, self._node_id)
+        self._me.reregister(shard)  # one-way: runs after the current control call
 
     @_CONTROL
     def store(
@@ -218,11 +259,11 @@ class NodeStore:
         # Entries arrive as plain tuples: the store checks and rebuilds each one.
         try:
             return self._core.store(namespace, rank, world_size, entries, buffer)
-        except UnknownNodeError:
-            # The Evictor restarted and has not reconciled yet: register this node and
-            # offer what it holds (as the reconcile would), then admit the new shards.
+        except UnknownNodeError as exc:
+            # An Evictor shard restarted and has not reconciled yet: register this node
+            # and offer what it holds (as the reconcile would), then admit the new shards.
             logger.info("Evictor does not know node %s yet; registering", self._node_id)
-            self._reregister()
+            self._reregister_failed(exc)
             return self._core.store(namespace, rank, world_size, entries, buffer)
 
     @_DATA
@@ -287,8 +328,8 @@ class NodeStore:
         # Entries arrive as plain tuples: the commit checks and rebuilds each one.
         try:
             return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
-        except UnknownNodeError:  # as in store(): the Evictor restarted
-            self._reregister()
+        except UnknownNodeError as exc:  # as in store(): an Evictor shard restarted
+            self._reregister_failed(exc)
             return self._arena.commit(holder, epoch, namespace, rank, world_size, jobs)
         finally:
             self._parked = self._arena.gathered
@@ -299,8 +340,8 @@ class NodeStore:
         (sent by this actor's flusher thread while shards are parked)."""
         try:
             held = self._arena.flush_gathered()
-        except UnknownNodeError:  # as in store(): the Evictor restarted
-            self._reregister()
+        except UnknownNodeError as exc:  # as in store(): an Evictor shard restarted
+            self._reregister_failed(exc)
             held = self._arena.flush_gathered()
         self._parked = self._arena.gathered
         return held

@@ -33,20 +33,29 @@ _START_TIMEOUT_S = 60.0  # an actor's start on a loaded machine
 
 class EvictorForTests(Evictor):
     """The real Evictor; ``fail_next_reconcile`` makes its next reconcile raise (the
-    ticker must outlive it), ``stall`` holds up its only thread (a NodeStore must serve
-    loads while its store waits on ``admit``; a caller's deadline must fire)."""
+    ticker must outlive it), ``pause_reconciles`` makes them do nothing, ``stall`` holds
+    up its only thread (a NodeStore must serve loads while its store waits on ``admit``;
+    a caller's deadline must fire)."""
 
     def __init__(self, cfg: TierStoreConfig, shard: int = 0) -> None:
         self._fail_next_reconcile = False
+        self._reconciles_paused = False
         super().__init__(cfg, shard)
 
     def fail_next_reconcile(self) -> None:
         self._fail_next_reconcile = True
 
+    def pause_reconciles(self, paused: bool) -> None:
+        """While paused, a reconcile does nothing (a node this shard lost is not asked to
+        reregister by it)."""
+        self._reconciles_paused = paused
+
     def reconcile(self) -> dict[str, list[str]]:
         if self._fail_next_reconcile:
             self._fail_next_reconcile = False
             raise RuntimeError("reconcile failed on purpose (EvictorForTests)")
+        if self._reconciles_paused:
+            return {"started": [], "forgotten": []}
         return super().reconcile()
 
     def stall(self, release_file: str, max_s: float) -> None:
