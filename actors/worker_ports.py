@@ -1,5 +1,5 @@
 """A worker's view of the cluster over Ray (its ``WorkerPorts``): NodeStore clients by
-node and the Evictor's client. The composition root (``tierstore.spec``) injects it."""
+node and the Evictor shards' clients. The composition root (``tierstore.spec``) injects it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 from tierstore.actors.bootstrap import find_node_store
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 
-from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.keys import ChunkKey, Namespace, NodeId, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +19,17 @@ class RayWorkerPorts:
     Called on the worker's transfer threads."""
 
     def __init__(
-        self, namespace: str, local_node: NodeId, evictor: EvictorClient, timeout_s: float
+        self,
+        namespace: str,
+        local_node: NodeId,
+        evictors: EvictorClient | list[EvictorClient],
+        timeout_s: float,
     ) -> None:
+        """``evictors``: one client per Evictor shard, index = shard (one client: one
+        shard)."""
         self.local_node = local_node
         self._namespace = namespace
-        self._evictor = evictor
+        self._evictors = evictors if isinstance(evictors, list) else [evictors]
         self._timeout_s = timeout_s
         self._clients: dict[NodeId, NodeStoreClient] = {}
 
@@ -38,9 +44,15 @@ class RayWorkerPorts:
         self._clients.pop(node, None)
 
     def report_failed_stores(self, n_jobs: int) -> None:
-        self._evictor.report_failed_stores(n_jobs)  # one-way
+        self._evictors[0].report_failed_stores(n_jobs)  # one-way; shard 0 counts them
 
     def locate(
-        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: NodeId
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        rank: int,
+        avoid_node: NodeId,
+        root: int = 0,
     ) -> list[NodeId | None]:
-        return self._evictor.locate(namespace, keys, rank, avoid_node).result(self._timeout_s)
+        evictor = self._evictors[shard_of(root, len(self._evictors))]
+        return evictor.locate(namespace, keys, rank, avoid_node).result(self._timeout_s)

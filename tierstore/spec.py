@@ -11,8 +11,8 @@ from __future__ import annotations
 import ray
 from vllm.v1.kv_offload.base import OffloadingWorker
 
-from tierstore.actors.bootstrap import connect, get_or_create_evictor, get_or_create_node_store
-from tierstore.actors.clients import EvictorClient, NodeStoreClient
+from tierstore.actors.bootstrap import connect, evictor_clients, get_or_create_node_store
+from tierstore.actors.clients import NodeStoreClient
 from tierstore.actors.worker_ports import RayWorkerPorts
 from tierstore.config import TierStoreConfig
 from tierstore.data.layout import ChunkLayout
@@ -29,10 +29,10 @@ __all__ = ["TierStoreSpec", "connect_worker"]
 class TierStoreSpec(TierStoreSpecBase):
     """The spec vLLM loads: :class:`TierStoreSpecBase` wired to tierstore's Ray actors."""
 
-    def _connect_manager(self) -> tuple[EvictorCalls, NodeId]:
+    def _connect_manager(self) -> tuple[list[EvictorCalls], NodeId]:
         connect(self.store_config)
-        evictor = EvictorClient(get_or_create_evictor(self.store_config))
-        return evictor, NodeId(ray.get_runtime_context().get_node_id())
+        evictors: list[EvictorCalls] = list(evictor_clients(self.store_config))
+        return evictors, NodeId(ray.get_runtime_context().get_node_id())
 
     def _connect_worker(self, layout: ChunkLayout) -> OffloadingWorker:
         with started_threads_leave_compute_cores():  # Ray's threads, on a vLLM-CPU worker
@@ -55,9 +55,9 @@ def connect_worker(
     disk tier recovered, so the first lookups already see it.
     """
     node = NodeId(ray.get_runtime_context().get_node_id())
-    evictor = EvictorClient(get_or_create_evictor(cfg), cfg.transfer_timeout_s)
+    evictors = evictor_clients(cfg, cfg.transfer_timeout_s)  # one per Evictor shard
     local_store = NodeStoreClient(get_or_create_node_store(cfg, node), node)
     local_store.status().result(cfg.transfer_timeout_s)
-    ports = RayWorkerPorts(cfg.namespace, node, evictor, cfg.transfer_timeout_s)
+    ports = RayWorkerPorts(cfg.namespace, node, evictors, cfg.transfer_timeout_s)
     copier = make_copier(layout, cfg.pinned_bounce_bytes)
     return TierStoreWorker(layout, rank, world_size, ports, cfg.transfer_timeout_s, copier)

@@ -264,7 +264,7 @@ class ArenaJobs:
             pairs = zip(plan.chunks, offsets, strict=True)
             digests = [digest(view[at : at + c.nbytes]) for c, at in pairs]
         return [
-            ShardEntry(key, at, c.nbytes, d, c.slot_mask, parent)
+            ShardEntry(key, at, c.nbytes, d, c.slot_mask, parent, spec.root)
             for key, c, at, d, parent in zip(
                 spec.keys, plan.chunks, offsets, digests, parents, strict=True
             )

@@ -89,7 +89,7 @@ class ObjectLoads:
     ) -> Loaded:
         keys = [spec.keys[i] for i in idx]
         try:
-            nodes = self._ports.locate(spec.namespace, keys, self._rank, failed)
+            nodes = self._ports.locate(spec.namespace, keys, self._rank, failed, spec.root)
         except Exception:
             logger.warning("could not ask the Evictor for other copies", exc_info=True)
             nodes = [None]

@@ -279,6 +279,7 @@ class TierStoreWorker(OffloadingWorker):
                 digest(buffer[c.offset : c.offset + c.nbytes]),
                 c.slot_mask,
                 parent,
+                spec.root,  # which Evictor shard indexes it
             )
             for key, c, parent in zip(spec.keys, plan.chunks, parents, strict=True)
         ]

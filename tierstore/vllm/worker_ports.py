@@ -47,11 +47,18 @@ class WorkerPorts(Protocol):
         ...
 
     def report_failed_stores(self, n_jobs: int) -> None:
-        """Store jobs lost (vLLM has no failure path to count them by)."""
+        """Store jobs lost (vLLM has no failure path to count them by): Evictor shard 0
+        counts them."""
         ...
 
     def locate(
-        self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: NodeId
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        rank: int,
+        avoid_node: NodeId,
+        root: int = 0,
     ) -> list[NodeId | None]:
-        """Per key, another node holding ``rank``'s shard, if any."""
+        """Per key, another node holding ``rank``'s shard, if any: asks the Evictor shard
+        of ``root``, the root of the keys' prefix tree (their load's ``LoadSpec.root``)."""
         ...
