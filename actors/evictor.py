@@ -330,6 +330,8 @@ class Evictor:
                 for node, tiers in self._index.nodes().items()
             },
             "chunks": len(self._index),
+            # The compact index's arrays and pools (None: ChunkIndex, Python objects).
+            "index_bytes": getattr(self._index, "memory_bytes", lambda: None)(),
             "totals": dict(vars(self._index.stats)),
             "reconciles": {"done": self._reconciles, "failed": self._reconcile_failures},
         }

@@ -38,6 +38,8 @@ def _run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return module.run(args.out, args.disk_root, args.quick)
     if name == "dataplane":
         return module.run(args.quick)
+    if name == "controlplane" and args.shards:
+        return importlib.import_module("tierstore.deploy.bench.controlplane_scale").run(args)
     return module.run(args)
 
 
@@ -45,6 +47,16 @@ def _key_value(text: str) -> str:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return text
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
+    return counts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +91,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="both",
         help="evictor: which chunk index to measure (ChunkIndex, the compact one, or both)",
     )
+    parser.add_argument(
+        "--shards",
+        type=_counts,
+        default=None,
+        metavar="S[,S...]",
+        help="controlplane: Evictor shards to compare at cluster scale, e.g. 1,2 (without "
+        "it, the scheduler-side control plane of one engine is measured)",
+    )
+    parser.add_argument(
+        "--engines", type=int, default=32, help="controlplane --shards: simulated engines"
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=4, help="controlplane --shards: simulated nodes (raylets)"
+    )
+    parser.add_argument("--groups", type=int, default=3, help="controlplane --shards: KV groups")
+    parser.add_argument("--tp", type=int, default=2, help="controlplane --shards: TP ranks")
     add_log_arguments(parser)  # default log file: OUT/NAME.log
 
 
@@ -88,6 +116,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     private_clusters_on_loopback()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.name}-{args.model}" if args.name in ("e2e", "e2e_hits") else args.name
+    if args.name == "controlplane" and args.shards:
+        stem = "controlplane-shards"
     log_path = None if args.verbose else args.log_file or args.out / f"{stem}.log"
     if log_path is not None:
         print(f"logs: {log_path.resolve()}", file=sys.stderr)
@@ -98,7 +128,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         path = args.out / f"{stem}.json"
         path.write_text(json.dumps(results, indent=2))
         written = [path]
-        plot = getattr(importlib.import_module(BENCHMARKS[args.name]), "plot", None)
+        module = BENCHMARKS[args.name]
+        if args.name == "controlplane" and args.shards:
+            module = "tierstore.deploy.bench.controlplane_scale"
+        plot = getattr(importlib.import_module(module), "plot", None)
         if plot is not None:
             written += plot(results, args.out)
     print(json.dumps(results, indent=2))
