@@ -19,8 +19,9 @@ not what is measured; ``driver_cpu_share`` says what it cost).
 The CPU tiers hold a fraction of the working set, so admits evict once warm. Reported
 per S: lookup keys/s, admitted shards and offered units/s, lookup call p50/p99, each
 shard's memory per indexed chunk (its index's bytes over its chunk count; its process's
-RSS growth per chunk beside it) and CPU share, and messages per operation. No shard ever calls another (an Evictor has no
-client of another), and a request's three calls go to one shard.
+RSS growth per chunk beside it) and CPU share, and messages per operation. No shard ever
+calls another (an Evictor has no client of another), and a request's three calls go to
+one shard.
 """
 
 from __future__ import annotations
