@@ -12,8 +12,11 @@ session is already a driver of another cluster, and a process joins only one).
    then restarts elsewhere); once the Evictor has forgotten node A, engine B
    runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B). HOT
    hits at once: its copy on B outlived A.
-4. The Evictor is killed (Ray restarts it) and engine B serves PROMPT at once, while the
-   index is rebuilt; once it is, PROMPT hits again.
+4. Every Evictor shard is killed (Ray restarts them) and engine B serves PROMPT at once,
+   while the index is rebuilt; once it is, PROMPT hits again.
+
+The Evictor runs as two shards (``evictor_shards``): PROMPT's and HOT's prefix trees live
+on one shard each, wherever their roots map, and every step above holds across both.
 """
 
 from __future__ import annotations
@@ -25,14 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from tierstore.actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictor
+from tierstore.actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictors
 from tierstore.deploy.cli import collect_status
 from tierstore.deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 
 from tests.e2e.engine_actor import start_engine_on
 from tests.support import E2E_LOOKUP_TIMEOUT_MS, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.errors import ClusterUnavailableError, RemoteCallTimeout
+from tierstore.errors import ActorUnavailableError, ClusterUnavailableError, RemoteCallTimeout
 
 NAMESPACE = "tierstore-multinode"
 PROMPT = random_prompt(1000, seed=11)
@@ -40,28 +43,40 @@ HOT = random_prompt(1000, seed=12)
 _WAIT_TIMEOUT_S = 60.0
 # The actors' config: the engines' and every lookup of the Evictor use the same one (an
 # Evictor looked up with another config is refused: ConfigMismatchError).
-CFG = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE)
+CFG = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE, evictor_shards=2)
 
 
 def _node_store_stats(node_id: str) -> dict[str, Any]:
     return ray.get(find_node_store(NAMESPACE, node_id).status.remote())
 
 
-def _evictor() -> ray.actor.ActorHandle:
-    return get_or_create_evictor(CFG)
+def _status() -> dict[str, Any]:
+    """The Evictor shards' statuses as one: counters and chunks summed, the nodes every
+    shard knows."""
+    statuses = [ray.get(h.status.remote(), timeout=10) for h in get_or_create_evictors(CFG)]
+    totals: dict[str, int] = {}
+    for status in statuses:
+        for counter, value in status["totals"].items():
+            totals[counter] = totals.get(counter, 0) + value
+    return {
+        "totals": totals,
+        "chunks": sum(status["chunks"] for status in statuses),
+        "nodes": set.intersection(*(set(status["nodes"]) for status in statuses)),
+    }
 
 
 def _wait_for(check: Callable[[dict[str, Any]], bool], what: str) -> float:
-    """Seconds until the Evictor's status satisfies ``check``."""
+    """Seconds until the Evictor shards' status (:func:`_status`) satisfies ``check``."""
     started = time.monotonic()
 
     def satisfied() -> bool:
         try:
-            return check(ray.get(_evictor().status.remote(), timeout=10))
+            return check(_status())
         except (
             ray.exceptions.RayActorError,
             ray.exceptions.GetTimeoutError,
             ClusterUnavailableError,  # the config check's call, mapped by the client
+            ActorUnavailableError,
             RemoteCallTimeout,
         ):
             return False  # restarting
@@ -79,6 +94,7 @@ def main(model: str, out_path: str) -> None:
             **TIERSTORE_SPEC,
             "cpu_bytes_per_node": CFG.cpu_bytes_per_node,
             "namespace": NAMESPACE,
+            "evictor_shards": CFG.evictor_shards,
             "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
         }
         spec = EngineSpec(model=model, kv_extra_config=extra)
@@ -114,7 +130,7 @@ def main(model: str, out_path: str) -> None:
         # is whole again once node B has re-registered with it.
         facts["forget_s"] = _wait_for(
             lambda s: node_a.node_id not in s["nodes"] and node_b.node_id in s["nodes"],
-            "the Evictor forgets node A and knows node B",
+            "every Evictor shard forgets node A and knows node B",
         )
         facts["status_nodes"] = [n["node_id"] for n in collect_status(NAMESPACE)["nodes"]]
         ray.get(engine_b.reset_prefix_cache.remote())
@@ -125,7 +141,8 @@ def main(model: str, out_path: str) -> None:
         facts["b_again"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
         facts["node_b_end"] = _node_store_stats(node_b.node_id)
 
-        ray.kill(_evictor(), no_restart=False)
+        for shard in get_or_create_evictors(CFG):
+            ray.kill(shard, no_restart=False)
         ray.get(engine_b.reset_prefix_cache.remote())
         facts["b_evictor_down"] = ray.get(engine_b.run_pass.remote([PROMPT]))["requests"][0]
         held = facts["node_b_end"]["cpu"]["chunks"]
