@@ -12,8 +12,8 @@ chunk has ``--groups`` KV cache groups and ``--tp`` ranks (36-byte keys, as vLLM
 Each engine runs one request at a time, as three calls to the shard of the request's
 root: its lookup of every key (with leases), the admission of its new chunks as a
 NodeStore offers them (one unit per token boundary: every group and rank), and a one-way
-release of its hits. The trace's arguments are put in the object store before the run,
-so the driver's share of a call is sending it (the engines' and NodeStores' own work is
+release of its hits. The trace's arguments are built before the run (and sent by
+value), so the driver's share of a call is sending it (the engines' and NodeStores' own work is
 not what is measured; ``driver_cpu_share`` says what it cost).
 
 The CPU tiers hold a fraction of the working set, so admits evict once warm. Reported
@@ -106,14 +106,22 @@ def chain_keys(blocks: list[int], groups: int) -> list[list[ChunkKey]]:
 
 @dataclass(frozen=True)
 class Request:
-    """One request of the trace, its arguments put in the object store beforehand (so
-    the driver's share of a call is sending it, not building it)."""
+    """One request of the trace, its arguments built beforehand (so the driver's share
+    of a call is sending it). They are sent by value, as a scheduler and a NodeStore
+    send theirs: a shard on another node than the driver would otherwise pull each from
+    the driver's object store, through two raylets."""
 
     shard: int
-    keys: Any  # ObjectRef of its keys, every group, in chain order
-    n_keys: int
-    units: Any  # ObjectRef of the unit offers of its new chunks (None: none new)
-    n_units: int
+    keys: list[ChunkKey]  # every group's, in chain order
+    units: list[UnitOffer] | None  # the unit offers of its new chunks (None: none new)
+
+    @property
+    def n_keys(self) -> int:
+        return len(self.keys)
+
+    @property
+    def n_units(self) -> int:
+        return len(self.units or ())
 
 
 Trace = list[tuple[int, list[ChunkKey], list[UnitOffer]]]  # (root, keys, new units)
@@ -168,7 +176,7 @@ class Driver:
     """Engine threads on this process, each a request at a time: its lookup (one call
     to its root's shard), its new chunks' admission as its node's NodeStore would offer
     them (one call, to the same shard: a request's units share its root), and a
-    one-way release of its hits. Every argument was put in the object store before."""
+    one-way release of its hits. Every argument was built before the run."""
 
     def __init__(
         self, shape: Shape, clients: list[Any], nodes: list[NodeId], traces: list[list[Request]]
@@ -247,25 +255,15 @@ class Driver:
                     self.counts.admitted_shards += admitted
 
 
-def put_traces(shape: Shape, shards: int, per_engine: int) -> list[list[Request]]:
-    """Every engine's trace, its arguments put in the object store."""
-    import ray
-
-    traces = []
-    for engine in range(shape.engines):
-        trace = []
-        for root, keys, units in engine_trace(engine, shape, per_engine):
-            trace.append(
-                Request(
-                    shard_of(root, shards),
-                    ray.put(keys),
-                    len(keys),
-                    ray.put(units) if units else None,
-                    len(units),
-                )
-            )
-        traces.append(trace)
-    return traces
+def build_traces(shape: Shape, shards: int, per_engine: int) -> list[list[Request]]:
+    """Every engine's trace, each request's arguments built."""
+    return [
+        [
+            Request(shard_of(root, shards), keys, units or None)
+            for root, keys, units in engine_trace(engine, shape, per_engine)
+        ]
+        for engine in range(shape.engines)
+    ]
 
 
 NS = Namespace("c0ffee5ca1e")
@@ -310,11 +308,13 @@ def bench_shards(
             cpu_bytes_per_node=chunks_per_node * CHUNK_BYTES,
             namespace=_BENCH_NAMESPACE,
             evictor_shards=shards,
+            # The NodeStores hold none of the bytes: a hot chunk's copy would fail there.
+            replicate_after_loads=0,
         )
         clients = evictor_clients(cfg)
         nodes = _nodes_with_stores(clients, shape.nodes)
         handles = [c.handle for c in clients]
-        traces = put_traces(shape, shards, per_engine)
+        traces = build_traces(shape, shards, per_engine)
         empty = [_usage(h)[0] for h in handles]  # before any chunk
         driver = Driver(shape, clients, nodes, traces)
         elapsed, before, after = driver.run(lambda: [_usage(h) for h in handles])
