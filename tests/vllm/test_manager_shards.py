@@ -157,6 +157,18 @@ def _settle(manager: TierStoreManager, keys: list[ChunkKey], ctx: ReqContext) ->
     return wait_for(resolved, "the lookups resolved", _WAIT_S, poll_s=0.005)
 
 
+def _two_held_prompts() -> tuple[list[IndexShard], dict[str, list[ChunkKey]], dict[str, int]]:
+    """Two shards, and requests "a" and "b" whose prompts are rooted on (and held by)
+    shard 0 and shard 1."""
+    shards = [IndexShard(), IndexShard()]
+    taken: set[int] = set()
+    prompts = {"a": _prompt(0, taken), "b": _prompt(1, taken)}
+    home = {"a": 0, "b": 1}
+    for req, keys in prompts.items():
+        shards[home[req]].hold(keys)
+    return shards, prompts, home
+
+
 def _manager(cfg: TierStoreConfig, shards: list[IndexShard]) -> TierStoreManager:
     return TierStoreManager(cfg, NS, EvictorChannel(shards), {0: TOKENS_PER_CHUNK}, local_node=NODE)
 
@@ -167,12 +179,7 @@ def _eventually(check: Callable[[], bool], what: str) -> None:
 
 def test_each_requests_calls_go_to_its_roots_shard_only() -> None:
     cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, presence_max_age_ms=0)
-    shards = [IndexShard(), IndexShard()]
-    taken: set[int] = set()
-    prompts = {"a": _prompt(0, taken), "b": _prompt(1, taken)}
-    home = {"a": 0, "b": 1}
-    for req, keys in prompts.items():
-        shards[home[req]].hold(keys)
+    shards, prompts, home = _two_held_prompts()
     manager = _manager(cfg, shards)
     contexts = {req: _context(req, keys) for req, keys in prompts.items()}
     for ctx in contexts.values():
@@ -235,12 +242,7 @@ def test_view_hits_loaded_here_are_reported_to_each_roots_shard() -> None:
     shards, loaded in one step: each shard hears of its own chunks only (the lookup that
     counts their recency and the release that counts them loaded)."""
     cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, presence_max_age_ms=60_000)
-    shards = [IndexShard(), IndexShard()]
-    taken: set[int] = set()
-    prompts = {"a": _prompt(0, taken), "b": _prompt(1, taken)}
-    home = {"a": 0, "b": 1}
-    for req, keys in prompts.items():
-        shards[home[req]].hold(keys)
+    shards, prompts, home = _two_held_prompts()
     manager = _manager(cfg, shards)
     manager.answer_hits_from_picture(1)
 
