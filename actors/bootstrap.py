@@ -232,8 +232,8 @@ def get_or_create_node_store(
     cfg: TierStoreConfig, node_id: str | None = None
 ) -> ray.actor.ActorHandle:
     """The NodeStore of ``node_id`` (default: this process's node), pinned to it; after
-    the Evictor shards' configs are checked (:func:`get_or_create_evictors`), so a config that
-    differs starts nothing. Returns without waiting on the NodeStore."""
+    the Evictor shards' configs are checked (:func:`get_or_create_evictors`), so a config
+    that differs starts nothing. Returns without waiting on the NodeStore."""
     node_id = node_id or ray.get_runtime_context().get_node_id()
     get_or_create_evictors(cfg)
     return place_node_store(cfg, node_id)
@@ -271,8 +271,7 @@ def check_started(
 
 def ensure_actors(cfg: TierStoreConfig) -> None:
     """Every Evictor shard plus one NodeStore on every alive node; returns once all
-    answer, within
-    ``START_TIMEOUT_S`` in all."""
+    answer, within ``START_TIMEOUT_S`` in all."""
     deadline = time.monotonic() + START_TIMEOUT_S
     for started in start_actors(cfg):
         check_started(cfg, started, max(0.0, deadline - time.monotonic()))

@@ -22,14 +22,13 @@ class RayWorkerPorts:
         self,
         namespace: str,
         local_node: NodeId,
-        evictors: EvictorClient | list[EvictorClient],
+        evictors: list[EvictorClient],
         timeout_s: float,
     ) -> None:
-        """``evictors``: one client per Evictor shard, index = shard (one client: one
-        shard)."""
+        """``evictors``: one client per Evictor shard, index = shard."""
         self.local_node = local_node
         self._namespace = namespace
-        self._evictors = evictors if isinstance(evictors, list) else [evictors]
+        self._evictors = evictors
         self._timeout_s = timeout_s
         self._clients: dict[NodeId, NodeStoreClient] = {}
 

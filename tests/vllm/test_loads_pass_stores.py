@@ -87,7 +87,7 @@ def _worker(
     node = NodeId(ray.get_runtime_context().get_node_id())
     evictor = EvictorClient(get_or_create_evictor(cfg), cfg.transfer_timeout_s)
     NodeStoreClient(get_or_create_node_store(cfg, node), node).status().result(30)
-    ports = RayWorkerPorts(cfg.namespace, node, evictor, cfg.transfer_timeout_s)
+    ports = RayWorkerPorts(cfg.namespace, node, [evictor], cfg.transfer_timeout_s)
     worker = TierStoreWorker(layout, 0, 1, ports, cfg.transfer_timeout_s, copier=copier)
     return worker, copier
 

@@ -35,7 +35,7 @@ def test_object_store_load_is_byte_exact(cfg: TierStoreConfig, in_place: bool) -
     worker = _worker(cfg, kv)
     keys = _store_job(worker)
     node = NodeId(ray.get_runtime_context().get_node_id())
-    ports = RayWorkerPorts(cfg.namespace, node, EvictorClient(get_or_create_evictor(cfg)), 30.0)
+    ports = RayWorkerPorts(cfg.namespace, node, [EvictorClient(get_or_create_evictor(cfg))], 30.0)
     layout = worker._layout
     plan = layout.plan(DST.group_sizes, DST.block_indices)
     copier = make_copier(layout)
