@@ -168,6 +168,13 @@ class TierStoreConfig:
     # its own CPU tier, if that fits below cpu_low_watermark (a copy never evicts
     # anything). Later loads there are local, and survive the holder's loss. 0 = never.
     replicate_after_loads: int = 2
+    # Pulls at lookup: a lookup from a node that answers HIT for chunks held only on
+    # other nodes has that node's NodeStore copy them into its own CPU tier at once (a
+    # hot-chunk copy: only if it fits below cpu_low_watermark, evicted first, never
+    # written to disk), one pull per holder and request, at most this many at once per
+    # node; the engine's load then reads its node's copy, or waits for the pull. 0 = no
+    # pulls at lookup (a load pulls when it starts).
+    pulls_per_node: int = 4
     # Evictor shards: each owns the prefix trees whose first chunk hashes to it (their
     # index, leases and eviction), and 1/evictor_shards of every node's tiers. Lookups
     # and admits of one prefix go to one shard; more shards serve more nodes.
@@ -356,6 +363,18 @@ def _check_replication(cfg: TierStoreConfig) -> None:
         )
 
 
+MAX_PULLS_PER_NODE = 64
+
+
+def _check_pulls(cfg: TierStoreConfig) -> None:
+    value = cfg.pulls_per_node
+    if not _is_int(value) or not 0 <= value <= MAX_PULLS_PER_NODE:
+        raise ConfigError(
+            f"pulls_per_node: expected a number of pulls from 0 (none at lookup) to "
+            f"{MAX_PULLS_PER_NODE}, got {value!r}"
+        )
+
+
 MAX_EVICTOR_SHARDS = 256
 
 
@@ -409,6 +428,7 @@ _CHECKS: tuple[Callable[[TierStoreConfig], None], ...] = (
     _check_timeouts,
     _check_model_identity,
     _check_bounce,
+    _check_pulls,
 )
 
 
@@ -427,6 +447,7 @@ ACTOR_KEYS: tuple[str, ...] = (
     "cpu_high_watermark",
     "cpu_low_watermark",
     "replicate_after_loads",
+    "pulls_per_node",
     "evictor_shards",
 )
 ENGINE_KEYS: tuple[str, ...] = (

@@ -110,6 +110,10 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "cpu_high_watermark": _bad_fraction,
     "cpu_low_watermark": _bad_fraction | st.floats(0.96, 1.0),  # above the high mark
     "replicate_after_loads": _not_number | st.integers(max_value=-1) | st.floats(),
+    "pulls_per_node": _not_number
+    | st.integers(max_value=-1)
+    | st.integers(min_value=65)
+    | st.floats(),
     "evictor_shards": _not_number
     | st.integers(max_value=0)
     | st.integers(min_value=257)
