@@ -164,6 +164,13 @@ class CompactChunkIndex:
         self._core.register_node(node, cpu_bytes, disk_bytes)
         self._registered.add(node)
 
+    def resize_node(self, node: NodeId, cpu_bytes: int, disk_bytes: int, now: float) -> Actions:
+        """As :meth:`ChunkIndex.resize_node`."""
+        self._known(node)
+        raw = self._core.resize_node(node, cpu_bytes, disk_bytes, float(now))
+        self._sync()
+        return self._actions(raw)
+
     def disk_writes(
         self, node: NodeId, unwritten: list[ShardId], failures: int, writable: bool
     ) -> list[ShardId]:
@@ -295,6 +302,24 @@ class CompactChunkIndex:
                 continue
             cid = ChunkId(namespace, key)
             if not self._remote_loads.due(cid, node):
+                continue
+            made, raw = self._core.start_replica(namespace, key, node)
+            if made:
+                started.add(key)
+            for holder, actions in self._actions(raw).items():
+                merged.setdefault(holder, NodeActions()).push.extend(actions.push)
+        return merged
+
+    def start_copies(self, namespace: Namespace, keys: list[ChunkKey], node: NodeId) -> Actions:
+        """As :meth:`ChunkIndex.start_copies`: copies on ``node`` of the complete chunks
+        it holds no shard of, started now (no count of loads); the holders' pushes."""
+        if node not in self._registered:
+            return {}
+        merged: Actions = {}
+        started: set[ChunkKey] = set()
+        counts = self._core.replica_candidates(namespace, list(keys), node)
+        for key, candidate in zip(keys, counts, strict=True):
+            if not candidate or key in started:
                 continue
             made, raw = self._core.start_replica(namespace, key, node)
             if made:

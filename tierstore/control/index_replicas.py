@@ -46,6 +46,22 @@ class ReplicasMixin(IndexState):
             self._start_replica(cid, chunk, node, actions)
         return dict(actions)
 
+    def start_copies(self, namespace: Namespace, keys: list[ChunkKey], node: NodeId) -> Actions:
+        """``node`` is about to load ``keys`` from elsewhere (a lookup from it answered
+        HIT): start a copy of each complete chunk it holds no shard of, now, under the
+        replica rules (:meth:`record_loads`'s, without its count of loads). Returns the
+        holders' pushes (the caller may have ``node`` pull instead)."""
+        actions: Actions = defaultdict(NodeActions)
+        if node not in self._nodes:
+            return {}
+        for key in keys:
+            cid = ChunkId(namespace, key)
+            chunk = self._chunks.get(cid)
+            if chunk is None or not chunk.complete or self._holds(chunk, node):
+                continue
+            self._start_replica(cid, chunk, node, actions)
+        return dict(actions)
+
     @staticmethod
     def _holds(chunk: Chunk, node: NodeId) -> bool:
         return node in (chunk.replicas or {}) or any(s.node == node for _, s in chunk.held())
