@@ -457,6 +457,24 @@ static PyObject *Core_forget_shards(Core *c, PyObject *ids) {
     return finish(c);
 }
 
+/* ChunkIndex.resize_node: new capacities (a parked disk capacity stays parked), then
+ * room made down to them as a store makes it (CPU first, then disk). */
+static PyObject *Core_resize_node(Core *c, PyObject *args) {
+    PyObject *name; long long cpu, disk; double now;
+    if (!PyArg_ParseTuple(args, "OLLd", &name, &cpu, &disk, &now)) return NULL;
+    if (cpu < 0 || disk < 0) { PyErr_SetString(PyExc_ValueError, "capacities: expected >= 0"); return NULL; }
+    long node = node_of(c, name, 0);
+    if (node < 0 || !c->nodes[node].registered) { if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name); return NULL; }
+    if (!begin(c)) return NULL;
+    Node *nd = &c->nodes[node];
+    nd->cap[CPU] = cpu;
+    if (nd->has_parked) nd->parked_cap = disk; else nd->cap[DISK] = disk;
+    Prot p = {0, NIL}; /* nothing protected: no store in this call */
+    make_cpu_room(c, (uint32_t)node, 0, &p, now);
+    make_disk_room(c, (uint32_t)node, 0, &p, now);
+    return finish(c);
+}
+
 static PyObject *Core_disk_writes(Core *c, PyObject *args) {
     PyObject *name, *unwritten; int writable;
     if (!PyArg_ParseTuple(args, "OO!p", &name, &PyList_Type, &unwritten, &writable)) return NULL;
@@ -881,6 +899,7 @@ static PyMethodDef Core_methods[] = {
     {"promoted", (PyCFunction)Core_promoted, METH_VARARGS, NULL},
     {"forget_shards", (PyCFunction)Core_forget_shards, METH_O, NULL},
     {"disk_writes", (PyCFunction)Core_disk_writes, METH_VARARGS, NULL},
+    {"resize_node", (PyCFunction)Core_resize_node, METH_VARARGS, NULL},
     {"restore", (PyCFunction)Core_restore, METH_VARARGS, NULL},
     {"forget_node", (PyCFunction)Core_forget_node, METH_O, NULL},
     {"nodes", (PyCFunction)Core_nodes, METH_NOARGS, NULL},

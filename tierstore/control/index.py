@@ -120,6 +120,28 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
         tiers[TierName.DISK].capacity_bytes = disk_bytes
         tiers[TierName.DISK].parked_capacity = None
 
+    def resize_node(self, node: NodeId, cpu_bytes: int, disk_bytes: int, now: float) -> Actions:
+        """A node's capacities changed while it holds chunks (its Evictor shard's share
+        was rebalanced): room is made down to the new ones as a store makes it (CPU: the
+        node's replicas, then demotions to disk, then tails dropped; disk: disk-only
+        tails dropped), leased, pinned and promoting units kept (the node's used bytes
+        may stay above a capacity until they are free). A disk capacity parked at 0
+        (:meth:`disk_writes`) stays parked, the new one kept for when it is writable.
+        Raises UnknownNodeError for a node not registered."""
+        tiers = self._nodes.get(node)
+        if tiers is None:
+            raise UnknownNodeError(f"node {node!r} is not registered with the Evictor")
+        tiers[TierName.CPU].capacity_bytes = cpu_bytes
+        disk = tiers[TierName.DISK]
+        if disk.parked_capacity is not None:
+            disk.parked_capacity = disk_bytes
+        else:
+            disk.capacity_bytes = disk_bytes
+        actions: Actions = defaultdict(NodeActions)
+        self._make_cpu_room(node, 0, set(), now, actions)
+        self._make_disk_room(node, 0, set(), now, actions)
+        return dict(actions)
+
     def disk_writes(
         self, node: NodeId, unwritten: list[ShardId], failures: int, writable: bool
     ) -> list[ShardId]:
