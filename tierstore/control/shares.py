@@ -29,13 +29,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["FLOOR_PARTS", "FULL", "TierLoad", "plan_shares", "share_floor"]
+__all__ = [
+    "FLOOR_PARTS",
+    "FULL",
+    "MOVE_PARTS",
+    "NodeLoad",
+    "TierLoad",
+    "node_load_of",
+    "plan_shares",
+    "share_floor",
+]
 
 # A share is nearly full past this fraction (a CPU tier's low watermark is 0.85 by
 # default: a shard that demotes to it has its share this full).
 FULL = 0.8
 # Each shard keeps at least 1/(FLOOR_PARTS * S) of the node's tier.
 FLOOR_PARTS = 4
+# A round moves at most 1/MOVE_PARTS of the tier.
+MOVE_PARTS = 4
 
 
 class TierLoad(NamedTuple):
@@ -59,6 +70,31 @@ class TierLoad(NamedTuple):
     @property
     def pressured(self) -> bool:
         return self.pressure > 0 and self.used >= FULL * self.capacity
+
+
+class NodeLoad(NamedTuple):
+    """An Evictor shard's answer to ``node_load``: its share of a node's tiers and the
+    bytes it counts there, the node's pressure on it and the calls it was asked (both
+    counted since the shard started: a reader takes their growth between rounds)."""
+
+    cpu_capacity: int
+    cpu_used: int
+    disk_capacity: int
+    disk_used: int
+    pressure: int
+    asked: int
+
+
+def node_load_of(value: object) -> NodeLoad | None:
+    """A ``node_load`` answer as sent (a tuple of six ints, or None: the node is not
+    registered there). Raises ValueError for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, tuple | list) or len(value) != len(NodeLoad._fields):
+        raise ValueError(f"node_load: expected six counts, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"node_load: expected counts >= 0, got {value!r}")
+    return NodeLoad(*value)
 
 
 def share_floor(total: int, shards: int) -> int:

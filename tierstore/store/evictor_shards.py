@@ -43,15 +43,25 @@ Any thread, as the NodeStore's own port; holds no lock.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
+from tierstore.control.shares import MOVE_PARTS, NodeLoad, TierLoad, plan_shares, share_floor
 from tierstore.keys import ShardId, TierName, shard_of
 from tierstore.store.ports import Decision, EvictorPort, UnitDecision
 from tierstore.wire import NodeActions, Reply, ShardOffer, UnitOffer
 
-__all__ = ["Merged", "ShardedEvictorPort", "failed_shards", "merge_actions"]
+__all__ = [
+    "Merged",
+    "ShardedEvictorPort",
+    "ShareBalancer",
+    "ShareBook",
+    "SharePort",
+    "failed_shards",
+    "merge_actions",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -306,3 +316,139 @@ def _actions(answers: Mapping[int, tuple[object, NodeActions] | None]) -> NodeAc
 
 def _none(answers: dict[int, None]) -> None:
     return None
+
+
+# ---- the shards' shares of this node's tiers ------------------------------------------------
+class SharePort(Protocol):
+    """What a :class:`ShareBalancer` asks of one Evictor shard (its client): its part of
+    this node (``node_load``) and a new share (``resize_node``), both waited on with the
+    client's deadline."""
+
+    def node_load(self, node_id: str) -> Reply[NodeLoad | None]: ...
+
+    def resize_node(
+        self, node_id: str, cpu_bytes: int, disk_bytes: int
+    ) -> Reply[tuple[NodeLoad | None, NodeActions]]: ...
+
+
+class ShareBook:
+    """Each Evictor shard's share of this node's CPU and disk tiers, as this node last
+    registered or resized them: a shard that restarts registers again with its current
+    share, not the static split. Change or read them, and send the call that tells the
+    shard, under :attr:`lock` (so a shard never hears an older share after a newer one)."""
+
+    def __init__(self, cpu: list[int], disk: list[int]) -> None:
+        self.lock = threading.Lock()
+        self.cpu = list(cpu)
+        self.disk = list(disk)
+
+
+class ShareBalancer:
+    """Moves this node's tier bytes between Evictor shards by credit, one round at a time
+    (:meth:`run_round`), off the store path: the NodeStore's rebalancer thread runs it.
+
+    A round asks every shard for its part of the node (one call each, sent together), plans
+    each tier's shares (:func:`~tierstore.control.shares.plan_shares`: pressure since the
+    last round, floors), then shrinks the givers first: each evicts down to its new share
+    as a store would (demoting before dropping) and answers what it still holds; its
+    actions for this node are applied here (``apply``, waited on) before anything is
+    granted. The takers then grow by at most what the tier has unclaimed, a shard's claim
+    being its share or what it holds, if more (leased chunks it could not evict). So the
+    shares never add up to more than the tier, at any instant. A shard that does not
+    answer (restarting, stuck: its client's deadline) ends the round, or keeps its claim.
+
+    One thread at a time; holds :attr:`ShareBook.lock` only to send a resize.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        shards: Sequence[SharePort],
+        book: ShareBook,
+        cpu_total: int,
+        disk_total: int,
+        apply: Callable[[NodeActions], None],
+    ) -> None:
+        self._node = node_id
+        self._shards = list(shards)
+        self._book = book
+        self._totals = (cpu_total, disk_total)
+        self._apply = apply
+        self._seen: list[tuple[int, int] | None] = [None] * len(self._shards)  # pressure, asked
+        self.rounds = 0  # rounds that moved bytes
+
+    def run_round(self) -> bool:
+        """One round; True when any share changed. Raises what a shard's ``node_load``
+        raised (nothing changed then)."""
+        loads = [s.node_load(self._node) for s in self._shards]
+        answers = [reply.result() for reply in loads]
+        if any(a is None for a in answers):
+            return False  # a shard does not know the node yet: it registers first
+        now = [a for a in answers if a is not None]
+        cpu_plan, disk_plan = self._plan(now)
+        cpu_claims = [max(a.cpu_capacity, a.cpu_used) for a in now]
+        disk_claims = [max(a.disk_capacity, a.disk_used) for a in now]
+        moved = False
+        for i, a in enumerate(now):  # givers first
+            cpu, disk = min(cpu_plan[i], a.cpu_capacity), min(disk_plan[i], a.disk_capacity)
+            if (cpu, disk) == (a.cpu_capacity, a.disk_capacity):
+                continue
+            after = self._resize(i, cpu, disk)
+            if after is None:
+                return moved  # not confirmed: grant nothing this round
+            cpu_claims[i] = max(after.cpu_capacity, after.cpu_used)
+            disk_claims[i] = max(after.disk_capacity, after.disk_used)
+            moved = True
+        cpu_room = self._totals[0] - sum(cpu_claims)
+        disk_room = self._totals[1] - sum(disk_claims)
+        for i, a in enumerate(now):  # then the takers, from what the tier has unclaimed
+            cpu_more = max(0, min(cpu_plan[i] - a.cpu_capacity, cpu_room))
+            disk_more = max(0, min(disk_plan[i] - a.disk_capacity, disk_room))
+            if not cpu_more and not disk_more:
+                continue
+            cpu_room -= cpu_more
+            disk_room -= disk_more
+            self._resize(i, a.cpu_capacity + cpu_more, a.disk_capacity + disk_more)
+            moved = True
+        self.rounds += moved
+        return moved
+
+    def _plan(self, loads: list[NodeLoad]) -> tuple[list[int], list[int]]:
+        """Each tier's target shares from the pressure and calls since the last round."""
+        grown = []
+        for i, a in enumerate(loads):
+            seen = self._seen[i]
+            if seen is None or a.pressure < seen[0] or a.asked < seen[1]:
+                seen = (0, 0)  # first round, or the shard restarted: counted from 0
+            grown.append((a.pressure - seen[0], a.asked - seen[1]))
+            self._seen[i] = (a.pressure, a.asked)
+        plans = []
+        for total, cap, used in (
+            (self._totals[0], [a.cpu_capacity for a in loads], [a.cpu_used for a in loads]),
+            (self._totals[1], [a.disk_capacity for a in loads], [a.disk_used for a in loads]),
+        ):
+            tier = [
+                TierLoad(c, u, pressure, asked > 0)
+                for c, u, (pressure, asked) in zip(cap, used, grown, strict=True)
+            ]
+            floor = share_floor(total, len(loads))
+            plans.append(plan_shares(tier, total, floor, total // MOVE_PARTS) if total else cap)
+        return plans[0], plans[1]
+
+    def _resize(self, shard: int, cpu: int, disk: int) -> NodeLoad | None:
+        """Shard ``shard``'s share set to ``cpu``/``disk`` bytes (recorded in the book as
+        it is sent) and its actions for this node applied; what it holds after, or None
+        (logged) if it or the apply did not answer."""
+        with self._book.lock:
+            self._book.cpu[shard], self._book.disk[shard] = cpu, disk
+            reply = self._shards[shard].resize_node(self._node, cpu, disk)
+        try:
+            after, actions = reply.result()
+            if actions:
+                self._apply(actions)
+        except Exception as exc:
+            logger.warning(
+                "Evictor shard %d: share of node %s not resized: %s", shard, self._node, exc
+            )
+            return None
+        return after
