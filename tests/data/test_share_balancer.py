@@ -170,3 +170,42 @@ def test_a_shard_that_does_not_answer_moves_nothing(node: Node) -> None:
     cold.down = False
     assert node.round()
     assert hot.load().cpu_capacity > CPU // 2
+
+
+class Fixed:
+    """A shard's answers set by hand: it holds ``used`` bytes per tier, was pressed."""
+
+    def __init__(self, caps: list[int], used: list[int], all_caps: list[list[int]]) -> None:
+        self.caps, self.used, self.all_caps = caps, used, all_caps
+        self.pressure = 0
+
+    def load(self) -> NodeLoad:
+        c, d = self.caps
+        return NodeLoad(c, min(self.used[0], c), d, min(self.used[1], d), self.pressure, 1)
+
+    def node_load(self, node_id: str) -> Answered[NodeLoad | None]:
+        return Answered(self.load())
+
+    def resize_node(
+        self, node_id: str, cpu: int, disk: int
+    ) -> Answered[tuple[NodeLoad | None, NodeActions]]:
+        self.caps[:] = [cpu, disk]
+        assert sum(c[0] for c in self.all_caps) <= CPU
+        assert sum(c[1] for c in self.all_caps) <= DISK
+        return Answered((self.load(), NodeActions()))
+
+
+def test_a_shard_giving_in_one_tier_and_taking_in_the_other_keeps_the_sum() -> None:
+    """Shard 0 is pressed in memory and holds nothing on disk, shard 1 the other way:
+    each gives in one tier and takes in the other; no resize has either tier over."""
+    caps = [[CPU // 2, DISK // 2], [CPU // 2, DISK // 2]]
+    zero = Fixed(caps[0], [CPU, 0], caps)
+    one = Fixed(caps[1], [0, DISK], caps)
+    book = ShareBook([CPU // 2] * 2, [DISK // 2] * 2)
+    balancer = ShareBalancer(str(NODE), [zero, one], book, CPU, DISK, lambda a: None)
+    balancer.run_round()  # the counts seen from here
+    zero.pressure = one.pressure = 5
+    assert balancer.run_round()
+    assert caps[0][0] > CPU // 2 and caps[0][1] < DISK // 2
+    assert caps[1][0] < CPU // 2 and caps[1][1] > DISK // 2
+    assert book.cpu == [c[0] for c in caps] and book.disk == [c[1] for c in caps]

@@ -388,27 +388,30 @@ class ShareBalancer:
         cpu_plan, disk_plan = self._plan(now)
         cpu_claims = [max(a.cpu_capacity, a.cpu_used) for a in now]
         disk_claims = [max(a.disk_capacity, a.disk_used) for a in now]
+        cpu_now = [a.cpu_capacity for a in now]  # each shard's shares as they stand
+        disk_now = [a.disk_capacity for a in now]
         moved = False
-        for i, a in enumerate(now):  # givers first
-            cpu, disk = min(cpu_plan[i], a.cpu_capacity), min(disk_plan[i], a.disk_capacity)
-            if (cpu, disk) == (a.cpu_capacity, a.disk_capacity):
+        for i in range(len(now)):  # givers first (in either tier)
+            cpu, disk = min(cpu_plan[i], cpu_now[i]), min(disk_plan[i], disk_now[i])
+            if (cpu, disk) == (cpu_now[i], disk_now[i]):
                 continue
             after = self._resize(i, cpu, disk)
             if after is None:
                 return moved  # not confirmed: grant nothing this round
+            cpu_now[i], disk_now[i] = cpu, disk
             cpu_claims[i] = max(after.cpu_capacity, after.cpu_used)
             disk_claims[i] = max(after.disk_capacity, after.disk_used)
             moved = True
         cpu_room = self._totals[0] - sum(cpu_claims)
         disk_room = self._totals[1] - sum(disk_claims)
-        for i, a in enumerate(now):  # then the takers, from what the tier has unclaimed
-            cpu_more = max(0, min(cpu_plan[i] - a.cpu_capacity, cpu_room))
-            disk_more = max(0, min(disk_plan[i] - a.disk_capacity, disk_room))
+        for i in range(len(now)):  # then the takers, from what the tier has unclaimed
+            cpu_more = max(0, min(cpu_plan[i] - cpu_now[i], cpu_room))
+            disk_more = max(0, min(disk_plan[i] - disk_now[i], disk_room))
             if not cpu_more and not disk_more:
                 continue
             cpu_room -= cpu_more
             disk_room -= disk_more
-            self._resize(i, a.cpu_capacity + cpu_more, a.disk_capacity + disk_more)
+            self._resize(i, cpu_now[i] + cpu_more, disk_now[i] + disk_more)
             moved = True
         self.rounds += moved
         return moved
