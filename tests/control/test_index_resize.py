@@ -114,3 +114,13 @@ def test_resizes_amid_random_workloads_decide_as_the_reference(seed: int) -> Non
         pair.same_state([])
     assert pair.ref.stats.demoted_shards or not disk_bytes
     assert pair.ref.stats.evicted_chunks
+
+
+@pytest.mark.parametrize("index", _indexes(), ids=type)
+def test_one_nodes_entry_is_its_entry_of_nodes(index: ChunkIndex | CompactChunkIndex) -> None:
+    assert index.node(NODE) is None
+    index.register_node(NODE, 100, 50)
+    index.register_node(NodeId("n1"), 7, 0)
+    _store_chains(index, 1, 2)
+    assert index.node(NODE) == index.nodes()[NODE]
+    assert index.node(NodeId("n1")) == {TierName.CPU: (0, 7, 0), TierName.DISK: (0, 0, 0)}

@@ -652,6 +652,16 @@ static PyObject *Core_nodes(Core *c, PyObject *unused) {
     return out;
 }
 
+/* One node's entry of Core_nodes, or None (not registered). */
+static PyObject *Core_node(Core *c, PyObject *name) {
+    long n = node_of(c, name, 0);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0 || !c->nodes[n].registered) Py_RETURN_NONE;
+    Node *nd = &c->nodes[n];
+    return Py_BuildValue("{O(LLL)O(LLL)}", c->tier_obj[CPU], nd->used[CPU], nd->cap[CPU], nd->shards[CPU],
+                         c->tier_obj[DISK], nd->used[DISK], nd->cap[DISK], nd->shards[DISK]);
+}
+
 static PyObject *Core_shards_on(Core *c, PyObject *name) {
     long node = node_of(c, name, 0);
     if (PyErr_Occurred()) return NULL;
@@ -903,6 +913,7 @@ static PyMethodDef Core_methods[] = {
     {"restore", (PyCFunction)Core_restore, METH_VARARGS, NULL},
     {"forget_node", (PyCFunction)Core_forget_node, METH_O, NULL},
     {"nodes", (PyCFunction)Core_nodes, METH_NOARGS, NULL},
+    {"node", (PyCFunction)Core_node, METH_O, NULL},
     {"shards_on", (PyCFunction)Core_shards_on, METH_O, NULL},
     {"units", (PyCFunction)Core_units, METH_NOARGS, NULL},
     {"locate", (PyCFunction)Core_locate, METH_VARARGS, NULL},

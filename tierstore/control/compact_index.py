@@ -212,6 +212,11 @@ class CompactChunkIndex:
         nodes: dict[NodeId, dict[TierName, tuple[int, int, int]]] = self._core.nodes()
         return nodes
 
+    def node(self, node: NodeId) -> dict[TierName, tuple[int, int, int]] | None:
+        """As :meth:`ChunkIndex.node`."""
+        tiers: dict[TierName, tuple[int, int, int]] | None = self._core.node(node)
+        return tiers
+
     # ---- stores ----------------------------------------------------------------------
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
         """As :meth:`ChunkIndex.admit`."""

@@ -259,6 +259,13 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
             for n, tiers in self._nodes.items()
         }
 
+    def node(self, node: NodeId) -> dict[TierName, tuple[int, int, int]] | None:
+        """One node's entry of :meth:`nodes` (None: not registered), without the others."""
+        tiers = self._nodes.get(node)
+        if tiers is None:
+            return None
+        return {t: (a.used_bytes, a.capacity_bytes, a.shards) for t, a in tiers.items()}
+
     # ---- stores ------------------------------------------------------------------------
     def admit(self, node: NodeId, offers: list[ShardOffer], now: float) -> AdmitResult:
         """Decide which offered shards ``node`` keeps in its CPU tier, one shard at a time
