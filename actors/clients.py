@@ -27,6 +27,7 @@ from tierstore.wire import (
     EventBatch,
     LookupAnswer,
     NodeActions,
+    NodeLoad,
     RegionInfo,
     ShardEntry,
     ShardMeta,
@@ -38,8 +39,10 @@ from tierstore.wire import (
     decision_of,
     event_batch_of,
     metas_of,
+    node_load_of,
     nodes_of,
     pins_of,
+    resized_of,
     unit_decision_of,
 )
 
@@ -70,6 +73,14 @@ class EvictorClient:
         self, node_id: str, cpu_bytes: int, disk_bytes: int = 0, store_id: str | None = None
     ) -> Pending[None]:
         return self._call("register_node", node_id, cpu_bytes, disk_bytes, store_id)
+
+    def node_load(self, node_id: str) -> Pending[NodeLoad | None]:
+        return self._call("node_load", node_id, convert=node_load_of)
+
+    def resize_node(
+        self, node_id: str, cpu_bytes: int, disk_bytes: int
+    ) -> Pending[tuple[NodeLoad | None, NodeActions]]:
+        return self._call("resize_node", node_id, cpu_bytes, disk_bytes, convert=resized_of)
 
     def admit(
         self, node_id: str, offers: list[ShardOffer]

@@ -76,6 +76,11 @@ class Evictor:
         )
         self._events = EventLog()
         self._store_ids: dict[NodeId, str] = {}  # node -> the NodeStore that registered it
+        # Each node's pressure (shards evicted, demoted or refused by its stores) and this
+        # shard's calls asked of it (lookups, admits), counted from the start: a NodeStore
+        # rebalancing this shard's share of its node reads their growth (node_load).
+        self._pressure: dict[NodeId, int] = {}
+        self._asked = 0
         self._stop = threading.Event()
         self._reconciles = 0  # done, on the actor's thread
         self._reconcile_failures = 0  # counted on the ticker's thread
@@ -151,7 +156,9 @@ class Evictor:
         """A malformed offer is refused (counted), never indexed; the rest go on."""
         checked = self._checked(offers_of(offers))
         shard_offers = [o for o in checked if o is not None]
+        before = self._evictions()
         result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
+        self._pressed(NodeId(node_id), before)
         admitted = [_shard_of(o) for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
         self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
         own = self._send(result.actions, caller=NodeId(node_id))
@@ -165,7 +172,9 @@ class Evictor:
         (counted), never indexed; the rest go on."""
         checked = self._checked(unit_offers_of(units))
         good = [u for u in checked if u is not None]
+        before = self._evictions()
         result = self._index.admit_units(NodeId(node_id), good, time.monotonic())
+        self._pressed(NodeId(node_id), before)
         admitted = [
             _shard_of(o)
             for unit, flags in zip(good, result.accepted, strict=True)
@@ -208,6 +217,7 @@ class Evictor:
         node_id: str | None = None,
     ) -> list[LookupAnswer]:
         """``node_id``: the asking engine's node, so a replica there is named first."""
+        self._asked += 1
         answers, actions = self._index.lookup(
             namespace,
             keys,
@@ -293,8 +303,39 @@ class Evictor:
     def release_holder(self, holder: str) -> None:
         self._index.release_holder(holder)
 
+    def node_load(self, node_id: str) -> tuple[int, int, int, int, int, int] | None:
+        """This shard's part of ``node_id``'s tiers, for the NodeStore that rebalances the
+        shards' shares (:class:`~tierstore.store.evictor_shards.ShareBalancer`): CPU
+        capacity and used bytes, disk capacity and used bytes, the node's pressure (shards
+        its stores had evicted, demoted or refused here) and this shard's calls (lookups
+        and admits of every node), both counted since this shard started. None: the
+        node is not registered here."""
+        tiers = self._index.node(NodeId(node_id))
+        if tiers is None:
+            return None
+        cpu_used, cpu_cap, _ = tiers[TierName.CPU]
+        disk_used, disk_cap, _ = tiers[TierName.DISK]
+        pressure = self._pressure.get(NodeId(node_id), 0)
+        return cpu_cap, cpu_used, disk_cap, disk_used, pressure, self._asked
+
+    def resize_node(
+        self, node_id: str, cpu_bytes: int, disk_bytes: int
+    ) -> tuple[tuple[int, int, int, int, int, int] | None, NodeActions]:
+        """The node's NodeStore moved this shard's share of its tiers to ``cpu_bytes`` and
+        ``disk_bytes``: room is made down to them as a store makes it (demoting before
+        dropping; leased chunks stay). Returns :meth:`node_load` after, and the node's
+        own actions (to apply before it grants another shard the freed bytes); other
+        nodes' are sent to them. Raises UnknownNodeError for a node not registered."""
+        cpu = integer("cpu_bytes", cpu_bytes, 0, 1 << 62)
+        disk = integer("disk_bytes", disk_bytes, 0, 1 << 62)
+        node = NodeId(node_id)
+        actions = self._index.resize_node(node, cpu, disk, time.monotonic())
+        own = self._send(actions, caller=node)
+        return self.node_load(node_id), own
+
     def forget_node(self, node_id: str) -> None:
         self._store_ids.pop(NodeId(node_id), None)
+        self._pressure.pop(NodeId(node_id), None)
         self._events.record_held(NodeId(node_id), True, self._index.shards_on(NodeId(node_id)))
         self._send(self._index.forget_node(NodeId(node_id)))
 
@@ -335,6 +376,18 @@ class Evictor:
             "totals": dict(vars(self._index.stats)),
             "reconciles": {"done": self._reconciles, "failed": self._reconcile_failures},
         }
+
+    def _evictions(self) -> int:
+        stats = self._index.stats
+        return stats.evicted_chunks + stats.demoted_shards + stats.skipped_stores
+
+    def _pressed(self, node: NodeId, before: int) -> None:
+        """Count the evictions, demotions and refusals of a store of ``node`` since
+        ``before`` (:meth:`_evictions`) as its pressure on this shard."""
+        self._asked += 1
+        made = self._evictions() - before
+        if made:
+            self._pressure[node] = self._pressure.get(node, 0) + made
 
     def _checked(self, items: list[T | None]) -> list[T | None]:
         """Items of a NodeStore's message as :mod:`tierstore.wire` checked them

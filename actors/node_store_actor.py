@@ -40,7 +40,12 @@ from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
 from tierstore.store.batch_queue import BatchQueue
-from tierstore.store.evictor_shards import ShardedEvictorPort, failed_shards
+from tierstore.store.evictor_shards import (
+    ShardedEvictorPort,
+    ShareBalancer,
+    ShareBook,
+    failed_shards,
+)
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.store.rank_gather import GATHER_WAIT_S
 from tierstore.wire import (
@@ -70,6 +75,10 @@ _REGISTER_TIMEOUT_S = 30.0
 # Pulling a job or replica buffer from its producer's object store: milliseconds on one
 # node, a transfer across nodes; a producer that died leaves the ref unresolvable.
 _BUFFER_TIMEOUT_S = 60.0
+# How often a NodeStore moves its tiers' bytes between the Evictor shards' shares
+# (ShareBalancer): each round is a few calls per shard, off the store path; a shift of
+# traffic to one shard's prefix trees is followed within a few rounds.
+_REBALANCE_PERIOD_S = 1.0
 # A graceful stop writes what is queued for write-through up to this long.
 _WRITE_THROUGH_DRAIN_S = 10.0
 # The arena's room beyond the CPU tier: extents granted to workers and not committed
@@ -145,8 +154,10 @@ class NodeStore:
         self._evictor = evictor
         self._node_id = node_id
         self._cfg = cfg
-        self._cpu_shares = capacity_shares(cfg.cpu_bytes_per_node, cfg.evictor_shards)
-        self._disk_shares = capacity_shares(cfg.disk_bytes_per_node, cfg.evictor_shards)
+        self._shares = ShareBook(
+            capacity_shares(cfg.cpu_bytes_per_node, cfg.evictor_shards),
+            capacity_shares(cfg.disk_bytes_per_node, cfg.evictor_shards),
+        )
         self._id = ray.get_runtime_context().get_actor_id()
         self._register()
         disk = None
@@ -175,6 +186,7 @@ class NodeStore:
             target=self._flush_loop, args=(self._me,), name="tierstore-gather-flush", daemon=True
         )
         self._flusher.start()
+        self._start_rebalancer()
         recovered = self._core.register_inventory()
         if recovered:
             logger.info("NodeStore %s: %d shards recovered from disk", node_id, recovered)
@@ -187,14 +199,46 @@ class NodeStore:
         """Register this node with Evictor shard ``shard`` (None: every shard, the calls
         sent at once), each with its share of the tiers; waits for every answer."""
         shards = range(len(self._evictors)) if shard is None else [shard]
-        sent = [
-            self._evictors[i].register_node(
-                self._node_id, self._cpu_shares[i], self._disk_shares[i], store_id=self._id
-            )
-            for i in shards
-        ]
+        with self._shares.lock:  # its current share, sent in order with the resizes
+            sent = [
+                self._evictors[i].register_node(
+                    self._node_id, self._shares.cpu[i], self._shares.disk[i], store_id=self._id
+                )
+                for i in shards
+            ]
         for reply in sent:
             reply.result(_REGISTER_TIMEOUT_S)
+
+    def _start_rebalancer(self) -> None:
+        """With several Evictor shards, a thread (not Ray's) that moves this node's tier
+        bytes between their shares every :data:`_REBALANCE_PERIOD_S` (ShareBalancer: the
+        givers shrink and their evictions are applied here, through :meth:`apply`, before
+        a taker grows). Its calls wait with their clients' deadlines; none is made on the
+        store path."""
+        self._balancer: ShareBalancer | None = None
+        if len(self._evictors) < 2:
+            return
+        me = self._me
+        self._balancer = ShareBalancer(
+            self._node_id,
+            self._evictors,
+            self._shares,
+            self._cfg.cpu_bytes_per_node,
+            self._cfg.disk_bytes_per_node,
+            lambda actions: me.apply(actions).result(),
+        )
+        threading.Thread(
+            target=self._rebalance_loop, name="tierstore-rebalance", daemon=True
+        ).start()
+
+    def _rebalance_loop(self) -> None:
+        """The rebalancer thread: a failed round is logged, never its end."""
+        while not self._stop.wait(_REBALANCE_PERIOD_S):
+            try:
+                if self._balancer is not None:
+                    self._balancer.run_round()
+            except Exception as exc:
+                logger.info("NodeStore %s: shares not rebalanced: %s", self._node_id, exc)
 
     @_CONTROL
     def reregister(self, shard: int | None = None) -> int:
@@ -396,5 +440,6 @@ class NodeStore:
             "apply_failures": self._apply_failures,
             "write_through_queued": self._write_through.queued,
             "gathered_shards": self._parked,
+            "shares": {"cpu": list(self._shares.cpu), "disk": list(self._shares.disk)},
             "arena": self._cpu.status(),
         }

@@ -434,6 +434,39 @@ def unit_decision_of(value: Any) -> tuple[list[list[bool]], NodeActions]:
     return [[bool(a) for a in unit] for unit in accepted], node_actions_of(actions)
 
 
+# ---- Evictor shards' shares of a node ------------------------------------------------------
+class NodeLoad(NamedTuple):
+    """An Evictor shard's ``node_load`` answer (and ``resize_node``'s, after): its share
+    of a node's tiers and the bytes it counts there, the node's pressure on it (shards
+    its stores had evicted, demoted or refused) and the calls it was asked (lookups,
+    admits), both counted since the shard started: a reader takes their growth."""
+
+    cpu_capacity: int
+    cpu_used: int
+    disk_capacity: int
+    disk_used: int
+    pressure: int
+    asked: int
+
+
+def node_load_of(value: Any) -> NodeLoad | None:
+    """A ``node_load`` answer as sent (six counts, or None: the node is not registered
+    there). Raises ValueError for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, tuple | list) or len(value) != len(NodeLoad._fields):
+        raise ValueError(f"node_load: expected six counts, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"node_load: expected counts >= 0, got {value!r}")
+    return NodeLoad(*value)
+
+
+def resized_of(value: Any) -> tuple[NodeLoad | None, NodeActions]:
+    """``resize_node``'s answer: the shard's part of the node after, the node's actions."""
+    load, actions = value
+    return node_load_of(load), node_actions_of(actions)
+
+
 # ---- lookups ------------------------------------------------------------------------------
 class LookupState(str, Enum):
     HIT = "hit"

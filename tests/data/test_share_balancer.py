@@ -14,10 +14,10 @@ import pytest
 
 from tests.support import Answered
 from tierstore.control.index import ChunkIndex, ShardOffer
-from tierstore.control.shares import NodeLoad, share_floor
+from tierstore.control.shares import share_floor
 from tierstore.keys import ChunkKey, Namespace, NodeId, TierName
 from tierstore.store.evictor_shards import ShareBalancer, ShareBook
-from tierstore.wire import NodeActions
+from tierstore.wire import NodeActions, NodeLoad
 
 NS = Namespace("balance")
 NODE = NodeId("n0")

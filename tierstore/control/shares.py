@@ -33,9 +33,7 @@ __all__ = [
     "FLOOR_PARTS",
     "FULL",
     "MOVE_PARTS",
-    "NodeLoad",
     "TierLoad",
-    "node_load_of",
     "plan_shares",
     "share_floor",
 ]
@@ -70,31 +68,6 @@ class TierLoad(NamedTuple):
     @property
     def pressured(self) -> bool:
         return self.pressure > 0 and self.used >= FULL * self.capacity
-
-
-class NodeLoad(NamedTuple):
-    """An Evictor shard's answer to ``node_load``: its share of a node's tiers and the
-    bytes it counts there, the node's pressure on it and the calls it was asked (both
-    counted since the shard started: a reader takes their growth between rounds)."""
-
-    cpu_capacity: int
-    cpu_used: int
-    disk_capacity: int
-    disk_used: int
-    pressure: int
-    asked: int
-
-
-def node_load_of(value: object) -> NodeLoad | None:
-    """A ``node_load`` answer as sent (a tuple of six ints, or None: the node is not
-    registered there). Raises ValueError for anything else."""
-    if value is None:
-        return None
-    if not isinstance(value, tuple | list) or len(value) != len(NodeLoad._fields):
-        raise ValueError(f"node_load: expected six counts, got {value!r}")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ValueError(f"node_load: expected counts >= 0, got {value!r}")
-    return NodeLoad(*value)
 
 
 def share_floor(total: int, shards: int) -> int:
@@ -137,11 +110,11 @@ def plan_shares(loads: Sequence[TierLoad], total: int, floor: int, max_move: int
 
 def _lift_to_floor(targets: list[int], hungry: list[int], floor: int) -> None:
     """Raise the pressured shards' targets below ``floor`` to it, taking from the
-    largest pressured targets (the sum stays)."""
+    largest targets above it (the sum stays)."""
     for i in hungry:
         short = floor - targets[i]
         while short > 0:
-            j = max(hungry, key=lambda k: targets[k])
+            j = max(range(len(targets)), key=lambda k: targets[k])
             spare = min(short, targets[j] - floor)
             if spare <= 0:
                 return

@@ -48,10 +48,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from tierstore.control.shares import MOVE_PARTS, NodeLoad, TierLoad, plan_shares, share_floor
+from tierstore.control.shares import MOVE_PARTS, TierLoad, plan_shares, share_floor
 from tierstore.keys import ShardId, TierName, shard_of
 from tierstore.store.ports import Decision, EvictorPort, UnitDecision
-from tierstore.wire import NodeActions, Reply, ShardOffer, UnitOffer
+from tierstore.wire import NodeActions, NodeLoad, Reply, ShardOffer, UnitOffer
 
 __all__ = [
     "Merged",
