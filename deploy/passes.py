@@ -150,7 +150,12 @@ def run_request(llm: Any, prompt: list[int], params: Any) -> RequestResult:
 
     started = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-    wall = time.perf_counter() - started
+    return request_result(out, time.perf_counter() - started)
+
+
+def request_result(out: Any, wall: float) -> RequestResult:
+    """A finished ``RequestOutput`` as a ``RequestResult``: its TTFT and wait from the
+    engine's own timestamps (``wall``, the caller's submit to finish, where they lack)."""
     stats = out.metrics
     # Queued (lookups and loads included) to first token.
     ttft = (

@@ -29,7 +29,11 @@ BENCHMARKS: dict[str, str] = {
     "crossnode": "tierstore.deploy.bench.crossnode",
     "soak": "tierstore.deploy.bench.soak",
     "lookup": "tierstore.deploy.bench.lookup",
+    "longdoc": "tierstore.deploy.bench.standard",
+    "multiround": "tierstore.deploy.bench.standard",
 }
+# Benchmarks that run vLLM engines: their files are named NAME-MODEL.
+_PER_MODEL = ("e2e", "e2e_hits", "longdoc", "multiround")
 
 
 def _run(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -75,15 +79,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=["tiny", "0.1b"],
         default="tiny",
-        help="e2e: the tiny 2-layer Llama or the 0.1 B one (real-model KV proportions)",
+        help="e2e, e2e_hits, longdoc, multiround: the tiny 2-layer Llama or the 0.1 B one "
+        "(real-model KV proportions)",
     )
     parser.add_argument(
         "--set",
         action="append",
         metavar="KEY=VALUE",
         type=_key_value,
-        help="e2e: a tierstore config key for the tierstore engine (repeatable), e.g. "
-        "--set hits_from_picture=false; recorded in the JSON",
+        help="e2e, e2e_hits, longdoc, multiround: a tierstore config key for the tierstore "
+        "engine (repeatable), e.g. --set hits_from_picture=false; recorded in the JSON",
+    )
+    parser.add_argument(
+        "--param",
+        action="append",
+        metavar="KEY=VALUE",
+        type=_key_value,
+        help="longdoc, multiround: a workload parameter (repeatable), e.g. --param qps=2; "
+        "longdoc: num_prefixes (documents), prefix_len (their tokens), suffix_len (the "
+        "question's), repeats; multiround: users, rounds, system_len, user_info_len, "
+        "question_len, qps; recorded in the JSON's setup",
+    )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=None,
+        help="e2e_hits, longdoc, multiround: engine runs per engine kind (2: forward then "
+        "back, each kind's runs pooled; default 1)",
     )
     parser.add_argument(
         "--index",
@@ -115,7 +137,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     the results and the files written go to the terminal."""
     private_clusters_on_loopback()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.name}-{args.model}" if args.name in ("e2e", "e2e_hits") else args.name
+    stem = f"{args.name}-{args.model}" if args.name in _PER_MODEL else args.name
     if args.name == "controlplane" and args.shards:
         stem = "controlplane-shards"
     log_path = None if args.verbose else args.log_file or args.out / f"{stem}.log"

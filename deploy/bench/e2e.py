@@ -317,6 +317,7 @@ def _ttft_ms(requests: list[dict[str, Any]]) -> dict[str, float]:
     return {
         "p50": 1e3 * percentile(ttfts, 50),
         "p90": 1e3 * percentile(ttfts, 90),
+        "p99": 1e3 * percentile(ttfts, 99),
         "mean": 1e3 * sum(ttfts) / len(ttfts),
         "wait_p50": 1e3 * percentile(waits, 50),
     }
@@ -354,7 +355,9 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
         "prompt_tokens_per_s": prompt / raw["wall_s"],
         "output_tokens_per_s": sum(r["output_tokens"] for r in requests) / raw["wall_s"],
         "tokens": tokens,
-        "hit_rate": {k: v / prompt for k, v in tokens.items() if k != "computed"},
+        # Shares of prompt tokens: hits per tier, and the miss (computed).
+        "hit_rate": {k: v / prompt for k, v in tokens.items() if k != "computed"}
+        | {"miss": tokens["computed"] / prompt},
         "tierstore_counters": ts,
     }
     if raw.get("kind") == "hit_pass":  # every request a hit

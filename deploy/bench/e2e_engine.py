@@ -1,7 +1,8 @@
 """One engine's share of the end-to-end benchmark, in a process of its own.
 
 ``python -m tierstore.deploy.bench.e2e_engine PLAN_JSON OUT_JSON``: builds the engine, warms it up,
-then runs each workload of the plan in order, one request at a time. Before each
+then runs each workload of the plan in order, one request at a time (the multi-round
+chat: paced, several at once, ``run_paced``). Before each
 workload the device prefix cache is emptied, so workloads do not feed each other. With
 tierstore on, the cluster's counters (``tierstore status``) are read before and after
 each workload; their difference says how many chunks came from the CPU and disk tiers.
@@ -21,19 +22,24 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tierstore.deploy.bench.workloads import PrefixHit, Unique, build
+from tierstore.deploy.bench.workloads import ChatSession, MultiRound, PrefixHit, Unique, build
 from tierstore.deploy.passes import (
     EngineSpec,
+    RequestResult,
     build_llm,
     drain,
+    request_result,
     run_request,
     sampling_params,
     shutdown_engine,
     warm_up,
 )
+
+_PACED_TIMEOUT_S = 1800.0
 
 
 def _tierstore_totals(namespace: str | None) -> dict[str, int]:
@@ -81,8 +87,57 @@ def metric_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def run_paced(
+    llm: Any,
+    session: ChatSession,
+    sampling: Any,
+    record: Callable[[list[int], RequestResult, dict[str, Any]], None],
+    timeout_s: float = _PACED_TIMEOUT_S,
+) -> None:
+    """Sends each request of ``session`` when it is due, several in the engine at once,
+    and steps the engine until every one is answered; ``record(prompt, result, extra)``
+    per finished request (``extra``: its user, round, due and send times, in seconds from
+    the start). A request goes within one engine step of its time (``step`` returns
+    after each: the engine reports its stats every step). Blocks; raises
+    ``TimeoutError`` past ``timeout_s``."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    started = time.perf_counter()
+    in_flight: dict[str, tuple[Any, float]] = {}
+    while not session.done:
+        now = time.perf_counter() - started
+        if now > timeout_s:
+            raise TimeoutError(f"paced workload unfinished after {timeout_s} s")
+        for request in session.due(now):
+            request_id = f"paced-{request.index}"  # outputs carry it (the engine adds a suffix)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=request.prompt), sampling)
+            in_flight[request_id] = (request, now)
+        if not in_flight:
+            next_s = session.next_s()
+            if next_s is not None:
+                time.sleep(min(max(0.0, next_s - now), 0.05))
+            continue
+        if not engine.has_unfinished_requests():  # step() would wait for nothing
+            raise RuntimeError(f"the engine lost requests {sorted(in_flight)}")
+        for out in engine.step():
+            if not out.finished or out.request_id not in in_flight:
+                continue
+            request, sent_s = in_flight.pop(out.request_id)
+            finished_s = time.perf_counter() - started
+            result = request_result(out, finished_s - sent_s)
+            session.answered(request, result.tokens)
+            extra = {
+                "user": request.user,
+                "round": request.round,
+                "scheduled_s": request.scheduled_s,
+                "sent_s": sent_s,
+            }
+            record(request.prompt, result, extra)
+
+
 def run_workload(
-    llm: Any, kind: str, params: dict[str, int], max_tokens: int, namespace: str | None
+    llm: Any, kind: str, params: dict[str, Any], max_tokens: int, namespace: str | None
 ) -> dict[str, Any]:
     drain(llm)
     llm.reset_prefix_cache()
@@ -100,8 +155,7 @@ def run_workload(
     before = _tierstore_totals(namespace)
     metrics_before = metric_totals()
 
-    def generate(prompt: list[int]) -> list[int]:
-        result = run_request(llm, prompt, sampling)
+    def record(prompt: list[int], result: RequestResult, extra: dict[str, Any]) -> None:
         requests.append(
             {
                 "prompt_tokens": len(prompt),
@@ -110,8 +164,13 @@ def run_workload(
                 "ttft_s": result.ttft_s,
                 "wait_s": result.wait_s,
                 "latency_s": result.latency_s,
+                **extra,
             }
         )
+
+    def generate(prompt: list[int]) -> list[int]:
+        result = run_request(llm, prompt, sampling)
+        record(prompt, result, {})
         return result.tokens
 
     def forget() -> None:  # stores done, then the device prefix cache emptied
@@ -122,6 +181,8 @@ def run_workload(
     started = time.perf_counter()
     if isinstance(workload, PrefixHit):
         workload.run(generate, forget)
+    elif isinstance(workload, MultiRound):
+        run_paced(llm, workload.session(), sampling, record)
     else:
         workload.run(generate)
     wall_s = time.perf_counter() - started

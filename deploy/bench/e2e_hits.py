@@ -56,7 +56,7 @@ def setup(model: str, count: int | None = None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     choice = args.model
-    passes = getattr(args, "passes", 1)  # tierstore bench has neither option
+    passes = getattr(args, "passes", None) or 1
     plan_setup = setup(choice, getattr(args, "count", None))
     engines = EngineRuns.prepare(args, choice, "e2e-hits")
     binding, overrides = engines.binding, engines.overrides

@@ -3,12 +3,21 @@ and its headline ratios compare the engines they name."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
 import pytest
 from tierstore.deploy.bench.e2e import BIND_ENV, omp_binding, pooled, run_order, summarize, targets
-from tierstore.deploy.bench.workloads import MultiTurn, PrefixHit, PrefixRepetition, Unique
+from tierstore.deploy.bench.standard import setup, table
+from tierstore.deploy.bench.workloads import (
+    ChatRequest,
+    MultiRound,
+    MultiTurn,
+    PrefixHit,
+    PrefixRepetition,
+    Unique,
+)
 
 
 def test_prefix_repetition_sends_each_prefix_repeats_times_with_fresh_suffixes() -> None:
@@ -22,6 +31,129 @@ def test_prefix_repetition_sends_each_prefix_repeats_times_with_fresh_suffixes()
     assert len({tuple(p[64:]) for p in sent}) == 12
     # Shuffled: not all repeats of one prefix back to back.
     assert [tuple(p[:64]) for p in sent] != sorted(tuple(p[:64]) for p in sent)
+
+
+def test_long_document_qa_orders_are_vllms_repeat_modes() -> None:
+    shape = {"num_prefixes": 3, "prefix_len": 64, "suffix_len": 8, "repeats": 2}
+
+    def documents(order: str) -> list[int]:
+        prompts = PrefixRepetition(**shape, order=order).prompts()
+        assert len(prompts) == 6 and all(len(p) == 72 for p in prompts)
+        assert len({tuple(p[64:]) for p in prompts}) == 6  # every query its own question
+        firsts = [tuple(p[:64]) for p in prompts]
+        return [sorted(set(firsts), key=firsts.index).index(d) for d in firsts]
+
+    assert documents("interleave") == [0, 0, 1, 1, 2, 2]  # each document's queries together
+    assert documents("tile") == [0, 1, 2, 0, 1, 2]
+    shuffled = documents("random")
+    assert sorted(shuffled) == [0, 0, 1, 1, 2, 2] and shuffled != [0, 0, 1, 1, 2, 2]
+    # The same documents and questions whatever the order; the same seed, the same prompts.
+    assert sorted(PrefixRepetition(**shape, order="tile").prompts()) == sorted(
+        PrefixRepetition(**shape).prompts()
+    )
+    assert PrefixRepetition(**shape).prompts() == PrefixRepetition(**shape).prompts()
+    with pytest.raises(ValueError, match="unknown order"):
+        PrefixRepetition(**shape, order="sorted").prompts()
+
+
+def _serve(session: Any, service_s: float, answer_len: int = 3) -> list[tuple[float, ChatRequest]]:
+    """A simulated engine on a virtual clock: every request is answered ``service_s``
+    after it is sent (answer tokens: 9000 + its index). Returns (sent at, request)."""
+    now, sent, in_flight = 0.0, [], []
+    while not session.done:
+        for request in session.due(now):
+            sent.append((now, request))
+            in_flight.append((now + service_s, request))
+        next_s = session.next_s()
+        times = [t for t, _ in in_flight] + ([next_s] if next_s is not None else [])
+        now = max(now, min(times))
+        for t, request in [x for x in in_flight if x[0] <= now]:
+            in_flight.remove((t, request))
+            session.answered(request, [9000 + request.index] * answer_len)
+    return sent
+
+
+def test_multi_round_shares_one_system_prompt_and_grows_each_users_history() -> None:
+    workload = MultiRound(
+        users=3, rounds=3, system_len=40, user_info_len=20, question_len=5, qps=10.0
+    )
+    sent = [r for _, r in _serve(workload.session(), service_s=0.01)]
+    assert len(sent) == 9 and len({r.index for r in sent}) == 9
+    first = [r for r in sent if r.round == 0]
+    assert len({tuple(r.prompt[:40]) for r in first}) == 1  # the shared system prompt
+    assert len({tuple(r.prompt[40:60]) for r in first}) == 3  # each user's own context
+    for r in sent:
+        if r.round == 0:
+            assert len(r.prompt) == 65
+            continue
+        last = next(p for p in sent if p.user == r.user and p.round == r.round - 1)
+        answer = [9000 + last.index] * 3
+        assert r.prompt[: len(last.prompt) + 3] == last.prompt + answer  # history + answer
+        assert len(r.prompt) == len(last.prompt) + 3 + 5  # + the new question
+    # Seeded: a second session sends the same prompts.
+    again = [r for _, r in _serve(workload.session(), service_s=0.01)]
+    assert [r.prompt for r in again] == [r.prompt for r in sent]
+
+
+def test_multi_round_is_paced_at_qps_and_waits_for_each_users_answer() -> None:
+    workload = MultiRound(users=4, rounds=3, system_len=8, user_info_len=8, question_len=2, qps=2.0)
+    fast = _serve(workload.session(), service_s=0.1)  # answers well within a user's gap
+    assert [t for t, _ in fast] == pytest.approx([k / 2.0 for k in range(12)])
+    assert [r.user for _, r in fast] == [0, 1, 2, 3] * 3  # users take turns at 2 requests/s
+    assert all(r.scheduled_s == t for t, r in fast)
+    # Answers slower than a user's gap (4 users / 2 qps = 2 s): a user asks again only once
+    # its answer is in, so its requests go late, never two at once.
+    slow = _serve(workload.session(), service_s=3.0)
+    for user in range(4):
+        times = [t for t, r in slow if r.user == user]
+        assert all(b - a >= 3.0 for a, b in itertools.pairwise(times))
+    assert any(t > r.scheduled_s for t, r in slow)
+
+
+def test_standard_benchmarks_size_the_working_set_over_the_device_cache() -> None:
+    for model in ("tiny", "0.1b"):
+        for quick in (False, True):
+            longdoc = setup("longdoc", model, quick)
+            device_tokens = (longdoc["device_blocks"] - 1) * 32  # vLLM keeps one block back
+            assert set(longdoc["workloads"]) == {"random", "interleave"}
+            seeds = {w["params"]["seed"] for w in longdoc["workloads"].values()}
+            assert len(seeds) == 2  # each order its own documents: neither warms the other
+            params = longdoc["workloads"]["random"]["params"]
+            assert params["num_prefixes"] * params["prefix_len"] > device_tokens
+            chat = setup("multiround", model, quick)
+            p = chat["workloads"]["multi_round"]["params"]
+            history = p["user_info_len"] + p["rounds"] * (p["question_len"] + chat["max_tokens"])
+            assert p["system_len"] + p["users"] * history > device_tokens
+    assert (
+        setup("multiround", "tiny", False, ["qps=0.5"])["workloads"]["multi_round"]["params"]["qps"]
+        == 0.5
+    )
+    with pytest.raises(ValueError, match="over"):
+        setup("longdoc", "tiny", True, ["prefix_len=4096"])
+
+
+def test_standard_table_reports_ttft_throughput_and_every_tier_against_no_connector() -> None:
+    def engine(cached: int, loaded: int) -> dict[str, Any]:
+        requests = [
+            {"prompt_tokens": 128, "cached_tokens": cached, "output_tokens": 2, "ttft_s": t}
+            for t in (0.01 * i for i in range(1, 101))
+        ]
+        raw = {"wall_s": 4.0, "requests": requests, "tierstore": {"loaded_chunks": loaded}}
+        return {"random": summarize(raw)}
+
+    rows = table({"no_connector": engine(0, 0), "tierstore": engine(96, 200)})
+    assert [(r["workload"], r["engine"]) for r in rows] == [
+        ("random", "no_connector"),
+        ("random", "tierstore"),
+    ]
+    off, on = rows
+    assert off["ttft_ms_p50"] == pytest.approx(510.0) and off["ttft_ms_p99"] == pytest.approx(990.0)
+    assert off["requests_per_s"] == 25.0 and off["prompt_tokens_per_s"] == 3200.0
+    assert off["hit_rate"] == {"device": 0, "tierstore_cpu": 0, "tierstore_disk": 0, "miss": 1}
+    # 200 chunks of 32 tokens loaded, 9,600 tokens cached: 6,400 from tierstore's CPU tier.
+    assert on["hit_rate"] == pytest.approx(
+        {"device": 0.25, "tierstore_cpu": 0.5, "tierstore_disk": 0.0, "miss": 0.25}
+    )
 
 
 def test_multi_turn_extends_the_previous_prompt_and_answer_round_robin() -> None:
