@@ -28,6 +28,7 @@ from tierstore.wire import (
     LookupAnswer,
     NodeActions,
     NodeLoad,
+    PullState,
     RegionInfo,
     ShardEntry,
     ShardMeta,
@@ -42,6 +43,7 @@ from tierstore.wire import (
     node_load_of,
     nodes_of,
     pins_of,
+    pull_states_of,
     resized_of,
     unit_decision_of,
 )
@@ -219,6 +221,28 @@ class NodeStoreClient:
             return list(ray.get(refs[0], timeout=self.timeout_s)), metas_of(metas)
 
         return self._call("load", namespace, rank, keys, convert=fetched)
+
+    def load_shards(
+        self, shard_ids: list[ShardId]
+    ) -> Pending[tuple[list[np.ndarray], list[ShardMeta]]]:
+        """As :meth:`load`, for shards of any ranks and namespace order: a node pulling
+        its copies of a request's chunks from this holder (one call, one object)."""
+
+        def fetched(value: Any) -> tuple[list[np.ndarray], list[ShardMeta]]:
+            refs, metas = value
+            return list(ray.get(refs[0], timeout=self.timeout_s)), metas_of(metas)
+
+        return self._call("load_shards", shard_ids, convert=fetched)
+
+    def pull(self, pulls: list[tuple[ShardId, NodeId]]) -> Pending[None]:
+        """One-way (the Evictor, answering a lookup from this node): pull each shard from
+        the node named with it, as the hot-chunk copy the Evictor reserved here."""
+        return self._call("pull", pulls)
+
+    def wait_pulls(self, shard_ids: list[ShardId], timeout_s: float) -> Pending[list[PullState]]:
+        """A load's join: waits (at most ``timeout_s``, less than this client's deadline)
+        for the pulls of ``shard_ids`` in flight; what each is now."""
+        return self._call("wait_pulls", shard_ids, timeout_s, convert=pull_states_of)
 
     def apply(self, actions: NodeActions) -> Pending[None]:
         return self._call("apply", actions)

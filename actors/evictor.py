@@ -32,6 +32,7 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.wire import (
     EventBatch,
     LookupAnswer,
+    LookupState,
     NodeActions,
     ShardOffer,
     UnitOffer,
@@ -227,7 +228,40 @@ class Evictor:
             NodeId(node_id) if node_id else None,
         )
         self._send(actions)
+        if node_id and self._cfg.pulls_per_node:
+            self._start_pulls(namespace, keys, answers, NodeId(node_id))
         return answers
+
+    def _start_pulls(
+        self, namespace: Namespace, keys: list[ChunkKey], answers: list[LookupAnswer], node: NodeId
+    ) -> None:
+        """Issue 30: chunks a lookup from ``node`` answered HIT for, held only elsewhere,
+        get a hot-chunk copy on ``node`` now (the replica rules: ``start_copies``), which
+        ``node``'s NodeStore pulls itself, one pull per holder (one-way: this call never
+        waits on a NodeStore), while the request is still being scheduled."""
+        remote = [
+            key
+            for key, (state, where, _) in zip(keys, answers, strict=True)
+            if LookupState(state) is LookupState.HIT
+            and where
+            and all(holder != node for holder in where.values())
+        ]
+        if not remote:
+            return
+        pulls = [
+            (shard_id, holder)
+            for holder, actions in self._index.start_copies(namespace, remote, node).items()
+            for shard_id, _ in actions.push
+        ]
+        if not pulls:
+            return
+        try:
+            store = ray.get_actor(node_store_name(node), namespace=self._namespace)
+        except ValueError:  # the room goes back when its node is forgotten
+            logger.warning("no NodeStore for node %s; its copies are not pulled", node)
+            self._send(self._index.replicated(node, [], [s for s, _ in pulls]))
+            return
+        NodeStoreClient(store, node).pull(pulls)  # one-way
 
     def promoted(
         self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]

@@ -10,6 +10,11 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
   ``reregister``, ``flush_gathered``.
   Waits on the Evictor (deadlines below) and writes to disk. One thread keeps the
   Evictor's decisions applied in the order it made them, as before.
+- ``pulls`` (:data:`PULL_WAIT_THREADS` threads): ``wait_pulls``, a load joining this
+  node's lookup-time pulls (each waits at most its deadline); the pulls themselves run
+  on :class:`~tierstore.store.pulls.Pulls`' own threads (``pulls_per_node``), started
+  by ``pull`` (one-way, from the Evictor) on a data thread, and ``load_shards`` (the
+  holder's side) is a data call.
 - the default group (one thread): ``inventory``, ``status`` and ``config``: quick
   reads, answered even while a store waits on ``admit``.
 - a flusher thread (not Ray's): while a TP group's shards are gathered, sends this
@@ -47,13 +52,16 @@ from tierstore.store.evictor_shards import (
     failed_shards,
 )
 from tierstore.store.node_store import NodeStoreCore
+from tierstore.store.pulls import Pulls
 from tierstore.store.rank_gather import GATHER_WAIT_S
 from tierstore.wire import (
     NodeActions,
     RegionInfo,
     ShardEntry,
     ShardMeta,
+    checked_shard_ids,
     node_actions_of,
+    pulls_of,
     replicas_of,
 )
 
@@ -63,7 +71,10 @@ logger = logging.getLogger(__name__)
 # by side; their copies and checksums release the GIL for large buffers. More threads
 # than this only add memory for buffers in flight on a node with few cores.
 DATA_THREADS = 4
-CONCURRENCY_GROUPS = {"data": DATA_THREADS, "control": 1}
+# Loads waiting for this node's lookup-time pulls (tierstore.store.pulls): each waits at
+# most its deadline, on a group of its own so no data call queues behind it.
+PULL_WAIT_THREADS = 8
+CONCURRENCY_GROUPS = {"data": DATA_THREADS, "control": 1, "pulls": PULL_WAIT_THREADS}
 _DATA = ray.method(concurrency_group="data")
 _CONTROL = ray.method(concurrency_group="control")
 
@@ -178,6 +189,14 @@ class NodeStore:
             peers=RayPeers(cfg.namespace),
         )
         self._arena = ArenaStore(self._core, self._cpu)
+        self._holders: dict[NodeId, NodeStoreClient] = {}  # other nodes' NodeStores, pulled from
+        self._pulls = Pulls(
+            self._fetch,
+            self._core.accept_replicas,
+            self._pull_failed,
+            self._core.holds,
+            cfg.pulls_per_node,
+        )
         self._parked = 0  # shards gathered for their TP group (read by the flusher)
         self._stop = threading.Event()
         # Sends this actor a flush of gathered units no commit came to offer; all arena
@@ -322,6 +341,54 @@ class NodeStore:
         # Returning the arrays would copy them per call; a ref in a list does not.
         return [ref], metas
 
+    @_DATA
+    def load_shards(self, shard_ids: list[ShardId]) -> tuple[list[ray.ObjectRef], list[ShardMeta]]:
+        """As :meth:`load`, for shards of any ranks: another node pulling its copies of a
+        request's chunks held here, in one object (one ``ray.put`` of the extents)."""
+        ids = [s for s in checked_shard_ids(shard_ids) if s is not None]
+        if len(ids) != len(shard_ids):
+            raise ValueError(f"{len(shard_ids) - len(ids)} malformed shard ids")
+        ref, metas = self._core.load_shard_views(ids, ray.put)
+        return [ref], metas
+
+    # ---- lookup-time pulls (tierstore.store.pulls) -----------------------------------
+    @_DATA
+    def pull(self, pulls: list[tuple[ShardId, NodeId]]) -> None:
+        """One-way, from the Evictor answering a lookup from this node: start pulling each
+        shard from its holder (returns at once; the pulls run on their own threads)."""
+        try:
+            self._pulls.start(pulls_of(pulls))
+        except Exception:  # one-way: nobody else would hear of it
+            logger.warning("NodeStore %s: a pull message failed", self._node_id, exc_info=True)
+
+    @ray.method(concurrency_group="pulls")
+    def wait_pulls(self, shard_ids: list[ShardId], timeout_s: float) -> list[str]:
+        """A load's join: waits (at most ``timeout_s``) for the pulls of ``shard_ids``
+        in flight here; per shard, whether it is held here, its pull failed, or none ran."""
+        ids = [s for s in checked_shard_ids(shard_ids) if s is not None]
+        wait_s = min(float(timeout_s), _BUFFER_TIMEOUT_S)
+        return [state.value for state in self._pulls.wait(ids, max(0.0, wait_s))]
+
+    def _fetch(
+        self, holder: NodeId, shard_ids: list[ShardId]
+    ) -> tuple[list[np.ndarray], list[ShardMeta]]:
+        """A pull thread: ``shard_ids`` from ``holder``'s NodeStore, one call and one
+        object (pulled into this node's object store, read in place until kept)."""
+        timeout_s = min(_BUFFER_TIMEOUT_S, self._cfg.transfer_timeout_s)
+        client = self._holders.get(holder)
+        if client is None:
+            store = ray.get_actor(node_store_name(holder), namespace=self._cfg.namespace)
+            client = self._holders[holder] = NodeStoreClient(store, holder, timeout_s)
+        try:
+            return client.load_shards(shard_ids).result(timeout_s)
+        except Exception:
+            self._holders.pop(holder, None)  # it may have been replaced: look it up again
+            raise
+
+    def _pull_failed(self, shard_ids: list[ShardId]) -> None:
+        """A pull failed: the Evictor drops the copies it reserved here (one-way)."""
+        self._evictor.replicated(self._node_id, [], shard_ids)
+
     @_CONTROL
     def apply(self, actions: NodeActions) -> None:
         """The Evictor's decisions, and this actor's deferred work: both one-way, so no
@@ -424,6 +491,7 @@ class NodeStore:
         """Graceful stop: the arena's file goes (a killed NodeStore's is replaced or
         removed by the next one)."""
         self._stop.set()
+        self._pulls.close()
         self._write_through.close(_WRITE_THROUGH_DRAIN_S)
         self._cpu.close()
 
@@ -441,5 +509,6 @@ class NodeStore:
             "write_through_queued": self._write_through.queued,
             "gathered_shards": self._parked,
             "shares": {"cpu": list(self._shares.cpu), "disk": list(self._shares.disk)},
+            "pulls": self._pulls.status(),
             "arena": self._cpu.status(),
         }

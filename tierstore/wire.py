@@ -539,3 +539,22 @@ def event_batch_of(value: Any) -> EventBatch:
 def config_of(value: Any) -> TierStoreConfig:
     """An actor's ``config`` answer (a dict: msgpack flattens the dataclass) rebuilt."""
     return value if isinstance(value, TierStoreConfig) else TierStoreConfig(**value)
+
+
+# ---- lookup-time pulls (issue 30) ---------------------------------------------------------
+class PullState(str, Enum):
+    """What a load's join (``NodeStore.wait_pulls``) finds of one shard on its node."""
+
+    HELD = "held"  # in the node's CPU tier (pulled, or already there)
+    FAILED = "failed"  # its pull failed, or was still running at the deadline
+    NONE = "none"  # not there and no pull of it: the load pulls it itself
+
+
+def pulls_of(values: Iterable[Any]) -> list[tuple[ShardId, NodeId]]:
+    """``NodeStore.pull``'s shards, each with the node to pull it from (the Evictor's)."""
+    return [(shard_id_of(shard), NodeId(str(node))) for shard, node in values]
+
+
+def pull_states_of(values: Iterable[Any]) -> list[PullState]:
+    """``NodeStore.wait_pulls``' answer: one state per shard asked for."""
+    return [PullState(v) for v in values]

@@ -60,7 +60,8 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
 ) -> None:
     cluster, node_a, node_b = nodes
     a, b = node_a.node_id, node_b.node_id  # type: ignore[attr-defined]
-    cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, namespace=NAMESPACE)
+    # Counted copies (replicate_after_loads); copies pulled at lookup: test_lookup_pulls.
+    cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, namespace=NAMESPACE, pulls_per_node=0)
     ensure_actors(cfg)
     evictor = EvictorClient(get_or_create_evictor(cfg))
     wait_for(

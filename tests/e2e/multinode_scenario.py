@@ -43,7 +43,11 @@ HOT = random_prompt(1000, seed=12)
 _WAIT_TIMEOUT_S = 60.0
 # The actors' config: the engines' and every lookup of the Evictor use the same one (an
 # Evictor looked up with another config is refused: ConfigMismatchError).
-CFG = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=NAMESPACE, evictor_shards=2)
+# Copies made after counted loads (replicate_after_loads), not pulled at lookup: the
+# scenario checks that node B holds nothing of what it loaded once.
+CFG = TierStoreConfig(
+    cpu_bytes_per_node=1 << 30, namespace=NAMESPACE, evictor_shards=2, pulls_per_node=0
+)
 
 
 def _node_store_stats(node_id: str) -> dict[str, Any]:
@@ -95,6 +99,7 @@ def main(model: str, out_path: str) -> None:
             "cpu_bytes_per_node": CFG.cpu_bytes_per_node,
             "namespace": NAMESPACE,
             "evictor_shards": CFG.evictor_shards,
+            "pulls_per_node": CFG.pulls_per_node,
             "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
         }
         spec = EngineSpec(model=model, kv_extra_config=extra)

@@ -501,8 +501,15 @@ class NodeStoreCore:
         Data threads, several at once. Waits on no other call and holds no lock while
         ``put`` copies; a shard dropped meanwhile raises ChunkNotFoundError or, if its disk
         file vanished under the read, ChunkCorruptError: never other bytes."""
+        return self.load_shard_views([ShardId(namespace, key, rank) for key in keys], put)
+
+    def load_shard_views(
+        self, shard_ids: list[ShardId], put: Callable[[list[np.ndarray]], T]
+    ) -> tuple[T, list[ShardMeta]]:
+        """As :meth:`load_views`, for shards of any namespaces and ranks (another node
+        pulling its copies of a request's chunks held here: one call for them all)."""
         with self.cpu.reading():  # no extent read here is reused until put returns
-            shards = [self._held(ShardId(namespace, key, rank)) for key in keys]
+            shards = [self._held(shard_id) for shard_id in shard_ids]
             out = put([s.data for s in shards])
         nbytes = sum(s.meta.nbytes for s in shards)
         self.counters.add(loaded_shards=len(shards), loaded_bytes=nbytes)

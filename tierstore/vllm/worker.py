@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.base import (
 from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout, JobPlan
 from tierstore.errors import TierStoreError
+from tierstore.keys import ShardId
 from tierstore.store.batch_queue import BatchQueue
 from tierstore.vllm.arena_jobs import ArenaJobs, Commit, PendingCommits
 from tierstore.vllm.cpu_affinity import leave_compute_cores
@@ -63,7 +64,7 @@ from tierstore.vllm.object_loads import ObjectLoads
 from tierstore.vllm.transfer_specs import LoadSpec, StoreSpec
 from tierstore.vllm.worker_arena import WorkerArena
 from tierstore.vllm.worker_ports import NodeStoreCalls, WorkerPorts
-from tierstore.wire import ShardEntry
+from tierstore.wire import PullState, ShardEntry
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ __all__ = ["NodeStoreCalls", "TierStoreWorker", "WorkerPorts"]
 # more than a small load's copy; above it the copy dominates, and a long one
 # would hold up the step.
 INLINE_LOAD_MAX_BYTES = 8 << 20
+# Of what is left of a load's deadline, the share its join of a pull may wait (the rest
+# covers the call and the copy after it).
+_JOIN_SHARE = 0.9
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,6 +132,13 @@ class TierStoreWorker(OffloadingWorker):
         self.failed_stores = 0  # store jobs lost to a NodeStore or Evictor failure
         self.failed_loads = 0  # load jobs reported failed (their requests recompute)
         self.failed_store_launches = 0  # store jobs whose copy could not be started
+        # Loads that named another node: their bytes, those already here at the start
+        # (this node's lookup-time pull had landed), loads that joined a pull, and those
+        # whose pull failed (reported failed: their requests recompute).
+        self.remote_named_bytes = 0
+        self.remote_named_bytes_local = 0
+        self.joined_pulls = 0
+        self.failed_pulls = 0
         self._stores = BatchQueue(
             self._send_stores, "tierstore-stores", on_start=leave_compute_cores
         )
@@ -307,6 +318,7 @@ class TierStoreWorker(OffloadingWorker):
         started = time.perf_counter()
         inline = scatter.on_caller and plan.nbytes <= INLINE_LOAD_MAX_BYTES
         if inline and self._loaded_inline(src_spec, plan, scatter):
+            self._count_remote(src_spec, plan, local_at_start=True)
             result = TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
             self._track(job_id, _done(result))
             return True
@@ -340,8 +352,14 @@ class TierStoreWorker(OffloadingWorker):
         try:
             # Its scheduler answers chunks it just stored as HITs: their commits first.
             waited = self._uncommitted.wait(self._timeout_s, spec) is not None
-            if not self.arena.load(spec, plan, scatter, unpinned=waited or not tried_unpinned):
-                self._objects.load(spec, plan, scatter)  # else through the object store
+            if self.arena.load(spec, plan, scatter, unpinned=waited or not tried_unpinned):
+                self._count_remote(spec, plan, local_at_start=not tried_unpinned)
+                return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
+            self._count_remote(spec, plan, local_at_start=False)
+            # Shards named on other nodes: this node's lookup-time pulls of them, joined.
+            here = self._join_pulls(spec, started)
+            if here is None or not self.arena.load(here, plan, scatter):
+                self._objects.load(here or spec, plan, scatter)  # else the object store
             return TransferResult(job_id, True, plan.nbytes, time.perf_counter() - started)
         except Exception:
             self.failed_loads += 1
@@ -352,6 +370,61 @@ class TierStoreWorker(OffloadingWorker):
                 exc_info=True,
             )
             return TransferResult(job_id, False)
+
+    def _join_pulls(self, spec: LoadSpec, started: float) -> LoadSpec | None:
+        """Transfer thread: wait (within the load's deadline) for this node's pulls of
+        the shards ``spec`` names on other nodes (started when the lookup answered:
+        :mod:`tierstore.store.pulls`). Returns ``spec`` with those now held here named
+        on this node, or None if none is (no pull was made: the load pulls them itself).
+        Raises if a pull failed or is still running at the deadline: the load fails and
+        its request recomputes."""
+        local = self._ports.local_node
+        remote = [
+            i for node, idx in spec.keys_by_node(self._rank).items() if node != local for i in idx
+        ]
+        if not remote:
+            return None
+        left = self._timeout_s - (time.perf_counter() - started)
+        ids = [ShardId(spec.namespace, spec.keys[i], self._rank) for i in remote]
+        try:
+            states = (
+                self._ports.node_store(local)
+                .wait_pulls(ids, max(0.0, left * _JOIN_SHARE))
+                .result(max(left, 0.0))
+            )
+        except Exception as exc:  # this node's NodeStore did not answer: pull here
+            logger.warning("could not join this node's pulls (%s); loading from the holders", exc)
+            self._ports.forget_node_store(local)
+            return None
+        if PullState.FAILED in states:
+            self.failed_pulls += 1
+            raise TierStoreError(
+                f"this node's pull of {states.count(PullState.FAILED)} of {len(ids)} shards "
+                "failed or outlived the load's deadline"
+            )
+        held = {i for i, state in zip(remote, states, strict=True) if state is PullState.HELD}
+        if not held:
+            return None
+        self.joined_pulls += 1
+        where = [{r: spec.nodes[n] for r, n in enumerate(at)} for at in spec.locations]
+        for i in held:
+            where[i][self._rank] = local
+        return LoadSpec.build(spec.namespace, list(spec.keys), where, spec.root)
+
+    def _count_remote(self, spec: LoadSpec, plan: JobPlan, local_at_start: bool) -> None:
+        """Bytes of loads that named another node for this rank, and of those, the bytes
+        already in this node's arena when the load started (its first read found them)."""
+        local = self._ports.local_node
+        nbytes = sum(
+            plan.chunks[i].nbytes
+            for node, idx in spec.keys_by_node(self._rank).items()
+            if node != local
+            for i in idx
+        )
+        with self._lock:
+            self.remote_named_bytes += nbytes
+            if local_at_start:
+                self.remote_named_bytes_local += nbytes
 
     @property
     def relocated_loads(self) -> int:

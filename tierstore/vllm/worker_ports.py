@@ -9,9 +9,9 @@ from typing import Protocol
 
 import numpy as np
 
-from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.vllm.worker_arena import ArenaCalls
-from tierstore.wire import Reply, ShardEntry, ShardMeta
+from tierstore.wire import PullState, Reply, ShardEntry, ShardMeta
 
 # A load's answer: the shards (read-only arrays, in key order) and their metas.
 Loaded = tuple[list[np.ndarray], list[ShardMeta]]
@@ -30,6 +30,11 @@ class NodeStoreCalls(ArenaCalls, Protocol):
     ) -> Reply[int]: ...
 
     def load(self, namespace: Namespace, rank: int, keys: list[ChunkKey]) -> Reply[Loaded]: ...
+
+    def wait_pulls(self, shard_ids: list[ShardId], timeout_s: float) -> Reply[list[PullState]]:
+        """The node's lookup-time pulls of ``shard_ids``, waited for (at most
+        ``timeout_s``): per shard, held there, failed, or none made."""
+        ...
 
 
 class WorkerPorts(Protocol):

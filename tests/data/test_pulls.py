@@ -1,0 +1,77 @@
+"""A node's lookup-time pulls (tierstore.store.pulls), without Ray: one pull per holder,
+a shard asked for again while in flight is not pulled again, a load's join waits for the
+pull (bounded), and a failed pull fails whoever joins it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
+from tierstore.store.pulls import Pulls
+from tierstore.wire import PullState, ShardMeta
+
+NS = Namespace("ab")
+A, C = NodeId("node-a"), NodeId("node-c")
+
+
+def sid(i: int, rank: int = 0) -> ShardId:
+    return ShardId(NS, ChunkKey(bytes([i]) * 12), rank)
+
+
+class Holders:
+    """Fake holders: each fetch is recorded, and waits until ``release`` is set."""
+
+    def __init__(self, fail: set[NodeId] | None = None) -> None:
+        self.fetches: list[tuple[NodeId, list[ShardId]]] = []
+        self.release = threading.Event()
+        self.fail = fail or set()
+        self.held: set[ShardId] = set()
+        self.failed: list[ShardId] = []
+
+    def fetch(self, holder: NodeId, ids: list[ShardId]) -> tuple[list[np.ndarray], list[ShardMeta]]:
+        self.fetches.append((holder, list(ids)))
+        assert self.release.wait(10)
+        if holder in self.fail:
+            raise ConnectionError(f"{holder} died")
+        return [np.zeros(8, np.uint8)] * len(ids), [ShardMeta(8, 0, 1)] * len(ids)
+
+    def accept(self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]) -> None:
+        self.held.update(s for s, _ in shards)
+
+    def pulls(self, workers: int = 4) -> Pulls:
+        return Pulls(self.fetch, self.accept, self.failed.extend, self.held.__contains__, workers)
+
+
+def test_one_pull_per_holder_and_none_again_while_in_flight() -> None:
+    holders = Holders()
+    pulls = holders.pulls()
+    # A request's chunks: two ranks' shards on A, one on C.
+    assert pulls.start([(sid(0, 0), A), (sid(0, 1), A), (sid(1, 0), C)]) == 2
+    # A second request asks for a shard being pulled, and one more: only the new one.
+    assert pulls.start([(sid(0, 0), A), (sid(2, 0), A)]) == 1
+    holders.release.set()
+    states = pulls.wait([sid(0, 0), sid(0, 1), sid(1, 0), sid(2, 0)], 10)
+    assert states == [PullState.HELD] * 4
+    assert sorted((h, sorted(ids)) for h, ids in holders.fetches) == sorted(
+        [(A, [sid(0, 0), sid(0, 1)]), (C, [sid(1, 0)]), (A, [sid(2, 0)])]
+    )
+    assert pulls.status()["joined"] == 1 and pulls.status()["in_flight"] == 0
+    assert pulls.wait([sid(9)], 10) == [PullState.NONE]  # never pulled: the load pulls it
+
+
+def test_a_join_waits_for_the_pull_at_most_its_deadline_and_a_failed_pull_fails_it() -> None:
+    holders = Holders(fail={A})
+    pulls = holders.pulls(workers=1)
+    pulls.start([(sid(0), A)])
+    started = time.monotonic()
+    assert pulls.wait([sid(0)], 0.2) == [PullState.FAILED]  # still running at the deadline
+    assert 0.2 <= time.monotonic() - started < 2
+    holders.release.set()
+    while pulls.status()["in_flight"]:
+        time.sleep(0.01)
+    assert holders.failed == [sid(0)]  # reported: the Evictor gives the room back
+    assert pulls.wait([sid(0)], 10) == [PullState.FAILED]  # a join after the failure too
+    assert pulls.status()["failed"] == 1

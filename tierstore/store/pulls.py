@@ -1,0 +1,163 @@
+"""Copies a node pulls at lookup time (issue 30): when a lookup from this node answered
+HIT for chunks held only on other nodes, the Evictor reserved a hot-chunk copy of each
+here (the replica rules: below the low watermark, evicted first, never written to disk)
+and tells this NodeStore which shards to pull from which holder. The pull starts at
+once, so the bytes cross the network while the request is still being scheduled; the
+engine's load then finds them in this node's arena, or waits for the pull in flight.
+
+- one pull per holder and message (a request's lookup: every rank's shards of its
+  chunks that one node holds come in one call and one object), holders in parallel, at
+  most ``workers`` at once on this node (``pulls_per_node``);
+- a shard already being pulled is not pulled again (two requests asking for the same
+  chunk at once: one pull); the Evictor starts no second copy of a chunk either;
+- what lands is verified and kept as the Evictor's replica (``accept``: it reports
+  which landed); a pull that fails is reported failed, and its room given back;
+- :meth:`Pulls.wait` is a load's join: it waits for the shards' pulls (at most its
+  deadline) and says of each whether it is held here, failed, or was never pulled.
+
+No Ray here: ``fetch`` (the holder's shards and metas, one call) and ``accept`` are
+the actor's. Threads: :meth:`start` and :meth:`wait` on any thread (they hold the lock
+only to look up and register futures); pulls on the pool's own threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+
+import numpy as np
+
+from tierstore.keys import NodeId, ShardId
+from tierstore.wire import PullState, ShardMeta
+
+logger = logging.getLogger(__name__)
+
+# How many shards whose pull failed are remembered (:meth:`Pulls.wait` answers FAILED).
+FAILED_KEPT = 4096
+
+__all__ = ["Fetch", "PullState", "Pulls"]
+
+# (holder, shard ids) -> the shards' bytes (one array each, in order) and their metas.
+Fetch = Callable[[NodeId, list[ShardId]], tuple[Sequence[np.ndarray], Sequence[ShardMeta]]]
+
+
+class Pulls:
+    """One node's lookup-time pulls."""
+
+    def __init__(
+        self,
+        fetch: Fetch,
+        accept: Callable[[list[tuple[ShardId, ShardMeta]], list[np.ndarray]], None],
+        failed: Callable[[list[ShardId]], None],
+        holds: Callable[[ShardId], bool],
+        workers: int,
+    ) -> None:
+        """``accept`` verifies and keeps the shards and reports them to the Evictor;
+        ``failed`` reports shards whose pull failed; ``holds``: whether this node holds
+        a shard now."""
+        self._fetch = fetch
+        self._accept = accept
+        self._failed = failed
+        self._holds = holds
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, workers), thread_name_prefix="tierstore-pull"
+        )
+        self._lock = threading.Lock()
+        self._in_flight: dict[ShardId, Future[bool]] = {}
+        # Shards whose pull failed lately: a load that joins after the failure fails too
+        # (as one that joined before), rather than pulling from the holder that failed.
+        self._failed_lately: OrderedDict[ShardId, None] = OrderedDict()
+        self._counts = {"pulls": 0, "shards": 0, "bytes": 0, "failed": 0, "joined": 0, "waits": 0}
+
+    def start(self, pulls: Sequence[tuple[ShardId, NodeId]]) -> int:
+        """Pull each shard from its holder, one pull per holder; a shard already being
+        pulled or held here is skipped. Returns the pulls started. Never blocks."""
+        by_holder: dict[NodeId, list[ShardId]] = {}
+        futures: dict[NodeId, Future[bool]] = {}
+        with self._lock:
+            for shard_id, holder in pulls:
+                shard_id, holder = ShardId(*shard_id), NodeId(holder)
+                self._failed_lately.pop(shard_id, None)
+                if shard_id in self._in_flight:
+                    self._counts["joined"] += 1
+                    continue
+                future = futures.setdefault(holder, Future())
+                self._in_flight[shard_id] = future
+                by_holder.setdefault(holder, []).append(shard_id)
+            self._counts["pulls"] += len(by_holder)
+        for holder, shard_ids in by_holder.items():
+            try:
+                self._pool.submit(self._pull, holder, shard_ids, futures[holder])
+            except RuntimeError:  # shut down
+                self._end(shard_ids, futures[holder], False)
+        return len(by_holder)
+
+    def _pull(self, holder: NodeId, shard_ids: list[ShardId], done: Future[bool]) -> None:
+        """Pool thread: fetch, keep what verifies, report; never raises."""
+        ok = False
+        try:
+            views, metas = self._fetch(holder, shard_ids)
+            if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
+                raise ValueError(f"{len(views)} arrays for {len(shard_ids)} shards")
+            self._accept(list(zip(shard_ids, metas, strict=True)), list(views))
+            with self._lock:
+                self._counts["shards"] += len(shard_ids)
+                self._counts["bytes"] += sum(int(v.nbytes) for v in views)
+            ok = True
+        except Exception as exc:
+            logger.warning("pulling %d shards from node %s failed: %s", len(shard_ids), holder, exc)
+            with self._lock:
+                self._counts["failed"] += 1
+            try:
+                self._failed(shard_ids)
+            except Exception:
+                logger.warning("reporting a failed pull raised", exc_info=True)
+        finally:
+            self._end(shard_ids, done, ok)
+
+    def _end(self, shard_ids: list[ShardId], done: Future[bool], ok: bool) -> None:
+        with self._lock:
+            for shard_id in shard_ids:
+                if self._in_flight.get(shard_id) is done:
+                    del self._in_flight[shard_id]
+                    if not ok:
+                        self._failed_lately[shard_id] = None
+            while len(self._failed_lately) > FAILED_KEPT:
+                self._failed_lately.popitem(last=False)
+        done.set_result(ok)
+
+    def wait(self, shard_ids: Sequence[ShardId], timeout_s: float) -> list[PullState]:
+        """A load's join: wait (at most ``timeout_s``) for the pulls of ``shard_ids`` in
+        flight, then say of each whether it is held here, its pull failed (or is still
+        running at the deadline), or none was made. Blocks the calling thread only."""
+        shard_ids = [ShardId(*s) for s in shard_ids]
+        with self._lock:
+            futures = {s: self._in_flight.get(s) for s in shard_ids}
+            failed = {s for s in shard_ids if s in self._failed_lately}
+            self._counts["waits"] += 1
+        pending = {f for f in futures.values() if f is not None}
+        if pending:
+            futures_wait(pending, timeout=timeout_s)
+        states = []
+        for shard_id in shard_ids:
+            future = futures[shard_id]
+            if self._holds(shard_id):
+                states.append(PullState.HELD)
+            elif future is not None or shard_id in failed:  # failed, or still running
+                states.append(PullState.FAILED)
+            else:
+                states.append(PullState.NONE)
+        return states
+
+    def status(self) -> dict[str, int]:
+        """Pulls started, shards and bytes pulled, pulls failed, shards asked for again
+        while in flight (joined), loads that waited, and shards in flight now."""
+        with self._lock:
+            return {**self._counts, "in_flight": len(self._in_flight)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
