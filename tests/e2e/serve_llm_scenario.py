@@ -52,7 +52,17 @@ _ENGINE_KWARGS: dict[str, Any] = {
     "max_model_len": 4096,
     "enforce_eager": True,
     "skip_tokenizer_init": True,  # the tiny models have no tokenizer: prompts are token ids
+    "enable_prompt_tokens_details": True,  # usage.prompt_tokens_details.cached_tokens
 }
+# On the CUDA build (not run here yet): each raylet gets one GPU, which cluster_utils maps
+# to the same device, so the three engines share it, a quarter of its memory each.
+_GPU_ENGINE_KWARGS = {"gpu_memory_utilization": 0.25}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _app(model: str, gcs_address: str) -> Any:
@@ -63,16 +73,14 @@ def _app(model: str, gcs_address: str) -> Any:
         "lookup_timeout_ms": E2E_LOOKUP_TIMEOUT_MS,
     }
     runtime_env = {"env_vars": _ENGINE_ENV}
-    frontend = {"enable_prompt_tokens_details": True}  # usage.prompt_tokens_details
     with_tierstore = llm_config(
         model,
         tierstore,
         model_id=MODEL_ID,
         num_replicas=2,
-        cpu=True,
-        engine_kwargs=_ENGINE_KWARGS,
+        cpu=not _cuda(),
+        engine_kwargs={**_ENGINE_KWARGS, **(_GPU_ENGINE_KWARGS if _cuda() else {})},
         runtime_env=runtime_env,
-        frontend_kwargs=frontend,
     )
     plain = with_tierstore.model_copy(deep=True)
     plain.model_loading_config.model_id = PLAIN_ID
@@ -140,7 +148,10 @@ def main(model: str, out: Path) -> None:
             "_system_config": FAST_HEALTH_CHECKS,
         },
     )
-    nodes = [cluster.add_node(num_cpus=2, node_ip_address=LOOPBACK) for _ in range(3)]
+    gpus = 1 if _cuda() else 0
+    nodes = [
+        cluster.add_node(num_cpus=2, num_gpus=gpus, node_ip_address=LOOPBACK) for _ in range(3)
+    ]
     started = time.monotonic()
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)

@@ -63,6 +63,30 @@ def test_llm_config_hands_vllm_tierstore_as_its_kv_connector() -> None:
     assert extra["ray_address"] == "127.0.0.1:6379"
 
 
+def test_the_replica_hands_vllm_the_connector(tiny_model) -> None:
+    """What a replica's engine is built from: Ray Serve LLM's own step from an LLMConfig to
+    vLLM's ``VllmConfig`` (``_get_vllm_engine_config``, which the replica calls), on the
+    installed vLLM. No cluster: it reads the model's config, starts nothing."""
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import _get_vllm_engine_config
+
+    config = serve_llm.llm_config(
+        tiny_model("llama"),
+        {"cpu_bytes_per_node": "1GiB", "namespace": "ns", "ray_address": "127.0.0.1:6379"},
+        model_id="tiny",
+        cpu=True,
+        engine_kwargs={"dtype": "float32", "block_size": _BLOCK, "enforce_eager": True},
+    )
+    _, vllm_config = _get_vllm_engine_config(config)
+    transfer = vllm_config.kv_transfer_config
+    assert transfer is not None
+    assert transfer.kv_connector == "TierStoreConnector"
+    assert transfer.kv_connector_module_path == "tierstore.connector"
+    assert transfer.kv_load_failure_policy == "recompute"
+    assert transfer.kv_connector_extra_config["namespace"] == "ns"
+    assert vllm_config.cache_config.enable_prefix_caching
+    assert vllm_config.parallel_config.distributed_executor_backend == "mp"
+
+
 def test_llm_config_refuses_a_bad_tierstore_key_when_built() -> None:
     with pytest.raises(ConfigError, match="did you mean 'cpu_bytes_per_node'"):
         serve_llm.llm_config("/models/tiny", {"cpu_bytes_per_nod": "1GiB"})
