@@ -21,7 +21,17 @@ from tierstore.actors.bootstrap import ensure_actors, evictor_clients, find_node
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 
 from tests.actors.conftest import NAMESPACE
-from tests.actors.test_evictor_shards import NS, SHARD_BYTES, _chain, _first_keys, _send, _states
+from tests.actors.test_evictor_shards import (
+    NS,
+    SHARD_BYTES,
+    _chain,
+    _first_keys,
+    _kill_and_wait_restarted,
+    _registered,
+    _send,
+    _states,
+)
+from tests.support import poll
 from tierstore.config import TierStoreConfig
 from tierstore.control.shares import share_floor
 from tierstore.keys import ChunkKey, ShardId
@@ -71,6 +81,23 @@ class ShareWatch:
         return self.sums
 
 
+def _skewed(
+    store: NodeStoreClient, evictors: list[EvictorClient], firsts: dict[int, list[ChunkKey]]
+) -> list[LookupState]:
+    """One hot prompt's traffic: shard 0's requests stored and looked up until all HIT
+    (or the wait ran out), then rounds with nothing stored; their states then."""
+    keys = [key for first in firsts[0] for key in _chain(first)]
+    deadline = time.monotonic() + _WAIT_S
+    while time.monotonic() < deadline:
+        for at in range(0, HOT_REQUESTS, 10):
+            _send(store, tuple(firsts[0][at : at + 10]))
+        if _states(evictors[0], keys) == [LookupState.HIT] * len(keys):
+            break
+        time.sleep(0.2)
+    time.sleep(2.5)  # rounds with nothing more stored: the hot shard keeps it all
+    return _states(evictors[0], keys)
+
+
 def test_skewed_stores_get_more_than_the_static_half_and_keep_it(
     sharded: TierStoreConfig,
 ) -> None:
@@ -83,19 +110,8 @@ def test_skewed_stores_get_more_than_the_static_half_and_keep_it(
     assert _send(store, tuple(firsts[cold][:2])) == 6  # the cold shard holds a little
     watch = ShareWatch(evictors, node)
     keys = [key for first in firsts[hot] for key in _chain(first)]
-    held: list[ChunkKey] = []
     try:
-        deadline = time.monotonic() + _WAIT_S
-        while time.monotonic() < deadline:  # one hot prompt's traffic: store, look up
-            for at in range(0, HOT_REQUESTS, 10):
-                _send(store, tuple(firsts[hot][at : at + 10]))
-            states = _states(evictors[hot], keys)
-            held = [k for k, s in zip(keys, states, strict=True) if s is LookupState.HIT]
-            if len(held) == len(keys):
-                break
-            time.sleep(0.2)
-        time.sleep(2.5)  # rounds with nothing more stored: the hot shard keeps it all
-        states = _states(evictors[hot], keys)
+        states = _skewed(store, evictors, firsts)
     finally:
         sums = watch.stop()
 
@@ -120,3 +136,27 @@ def test_skewed_stores_get_more_than_the_static_half_and_keep_it(
     more = _chain(firsts[cold][2])
     assert _send(store, (firsts[cold][2],)) == len(more)  # the cold shard still admits
     assert _states(evictors[cold], more + _chain(firsts[cold][0])) == [LookupState.HIT] * 6
+
+
+def test_a_restarted_shard_registers_its_current_share_not_the_static_split(
+    sharded: TierStoreConfig,
+) -> None:
+    """After the skew moved the shares, the cold shard is killed (Ray restarts it): the
+    NodeStore registers it again with its current share, so the shares still add up to
+    the tier and the hot shard keeps its chunks."""
+    ensure_actors(sharded)
+    node = ray.get_runtime_context().get_node_id()
+    store = NodeStoreClient(find_node_store(NAMESPACE, node), node)
+    evictors = evictor_clients(sharded)
+    firsts = _first_keys(per_shard=HOT_REQUESTS)
+    keys = [key for first in firsts[0] for key in _chain(first)]
+    assert _skewed(store, evictors, firsts) == [LookupState.HIT] * len(keys)
+    shares = store.status().result()["shares"]["cpu"]
+    assert shares[1] < CPU_BYTES // 2 < shares[0] and sum(shares) <= CPU_BYTES
+
+    _kill_and_wait_restarted(evictors[1])
+    cpu = poll(lambda: _registered(evictors[1], node), _WAIT_S, poll_s=0.2)
+    assert cpu is not None, "the restarted shard never got the node again"
+    assert cpu["capacity_bytes"] == shares[1]  # not the static CPU_BYTES // 2
+    assert _cpu(evictors[0], node)["capacity_bytes"] + cpu["capacity_bytes"] <= CPU_BYTES
+    assert _states(evictors[0], keys) == [LookupState.HIT] * len(keys)
