@@ -55,6 +55,9 @@ BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 _ENGINE_TIMEOUT_S = 1800
 _REPO = Path(__file__).resolve().parents[2]
 MODES = ("no_connector", "reference", "tierstore")
+# tierstore.vllm.metrics.LOADED_CHUNKS, by tier (e2e_engine.metric_totals); named here as
+# breakdown() names the others, so the driver does not import vLLM.
+_LOADED = "tierstore:loaded_chunks"
 
 
 def omp_binding() -> str:
@@ -330,11 +333,19 @@ def summarize(raw: dict[str, Any], tokens_per_chunk: int = BLOCK_SIZE) -> dict[s
     prompt = sum(r["prompt_tokens"] for r in requests)
     cached = sum(r["cached_tokens"] for r in requests)
     ts = raw["tierstore"]
-    from_tierstore = min(cached, ts.get("loaded_chunks", 0) * tokens_per_chunk)
-    # A chunk found only on disk is promoted to the CPU tier before its HIT, or read
-    # straight from disk when the CPU tier has no room for it: one shard per chunk here
-    # (one rank), so promotions plus disk HITs count the chunks served from disk.
-    disk_chunks = ts.get("promoted_shards", 0) + ts.get("disk_hits", 0)
+    metrics = raw.get("metrics", {})
+    by_tier = {t: metrics.get(f'{_LOADED}{{tier="{t}"}}') for t in ("cpu", "disk")}
+    if any(n is not None for n in by_tier.values()):
+        # The scheduler's count of the chunks it loaded, by the tier each HIT came from
+        # (DISK: read from disk, or promoted first).
+        cpu_chunks, disk_chunks = (int(by_tier[t] or 0) for t in ("cpu", "disk"))
+        loaded = cpu_chunks + disk_chunks
+    else:  # no such metric (runs recorded before it): the Evictor's counters
+        loaded = ts.get("loaded_chunks", 0)
+        # One shard per chunk here (one rank): a chunk HIT from disk is counted by
+        # disk_hits and promoted_shards both; their larger one is the floor.
+        disk_chunks = max(ts.get("promoted_shards", 0), ts.get("disk_hits", 0))
+    from_tierstore = min(cached, loaded * tokens_per_chunk)
     from_disk = min(from_tierstore, disk_chunks * tokens_per_chunk)
     tokens = {
         "device": cached - from_tierstore,

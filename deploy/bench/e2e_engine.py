@@ -58,7 +58,8 @@ _METRIC_PREFIXES = ("vllm:kv_offload", "tierstore:")
 def metric_totals() -> dict[str, Any]:
     """Counters' values and histograms' sums and counts, added over their label sets,
     from this process's Prometheus registry (the engine's stat loggers run here; vLLM's
-    ``LLM.get_metrics`` would skip tierstore's names and round counters to integers)."""
+    ``LLM.get_metrics`` would skip tierstore's names and round counters to integers).
+    A counter with a ``tier`` label also has each tier's total, as ``NAME{tier="disk"}``."""
     from prometheus_client import REGISTRY
 
     out: dict[str, Any] = {}
@@ -68,6 +69,9 @@ def metric_totals() -> dict[str, Any]:
         for sample in family.samples:
             if family.type == "counter" and sample.name.endswith("_total"):
                 out[family.name] = out.get(family.name, 0.0) + sample.value
+                if "tier" in sample.labels:
+                    name = f'{family.name}{{tier="{sample.labels["tier"]}"}}'
+                    out[name] = out.get(name, 0.0) + sample.value
             elif family.type == "histogram" and sample.name.endswith(("_sum", "_count")):
                 total = out.setdefault(family.name, {"sum": 0.0, "count": 0})
                 field = "sum" if sample.name.endswith("_sum") else "count"

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from tierstore.deploy.bench.e2e import BIND_ENV, omp_binding, pooled, run_order, summarize, targets
+from tierstore.deploy.bench.e2e_engine import metric_delta, metric_totals
 from tierstore.deploy.bench.standard import setup, table
 from tierstore.deploy.bench.workloads import (
     ChatRequest,
@@ -133,15 +134,21 @@ def test_standard_benchmarks_size_the_working_set_over_the_device_cache() -> Non
 
 
 def test_standard_table_reports_ttft_throughput_and_every_tier_against_no_connector() -> None:
-    def engine(cached: int, loaded: int) -> dict[str, Any]:
+    def engine(cached: int, loaded: int, disk: int = 0) -> dict[str, Any]:
         requests = [
             {"prompt_tokens": 128, "cached_tokens": cached, "output_tokens": 2, "ttft_s": t}
             for t in (0.01 * i for i in range(1, 101))
         ]
-        raw = {"wall_s": 4.0, "requests": requests, "tierstore": {"loaded_chunks": loaded}}
+        # The scheduler's loads by tier (the Evictor's counters say nothing of disk here).
+        metrics = {
+            'tierstore:loaded_chunks{tier="cpu"}': loaded - disk,
+            'tierstore:loaded_chunks{tier="disk"}': disk,
+        }
+        tierstore = {"loaded_chunks": loaded}
+        raw = {"wall_s": 4.0, "requests": requests, "tierstore": tierstore, "metrics": metrics}
         return {"random": summarize(raw)}
 
-    rows = table({"no_connector": engine(0, 0), "tierstore": engine(96, 200)})
+    rows = table({"no_connector": engine(0, 0), "tierstore": engine(96, 200, disk=50)})
     assert [(r["workload"], r["engine"]) for r in rows] == [
         ("random", "no_connector"),
         ("random", "tierstore"),
@@ -150,10 +157,27 @@ def test_standard_table_reports_ttft_throughput_and_every_tier_against_no_connec
     assert off["ttft_ms_p50"] == pytest.approx(510.0) and off["ttft_ms_p99"] == pytest.approx(990.0)
     assert off["requests_per_s"] == 25.0 and off["prompt_tokens_per_s"] == 3200.0
     assert off["hit_rate"] == {"device": 0, "tierstore_cpu": 0, "tierstore_disk": 0, "miss": 1}
-    # 200 chunks of 32 tokens loaded, 9,600 tokens cached: 6,400 from tierstore's CPU tier.
+    # 200 chunks of 32 tokens loaded (50 from disk) of 9,600 tokens cached.
     assert on["hit_rate"] == pytest.approx(
-        {"device": 0.25, "tierstore_cpu": 0.5, "tierstore_disk": 0.0, "miss": 0.25}
+        {"device": 0.25, "tierstore_cpu": 0.375, "tierstore_disk": 0.125, "miss": 0.25}
     )
+
+
+def test_engine_metrics_keep_each_tiers_count() -> None:
+    from prometheus_client import REGISTRY, Counter
+
+    before = metric_totals()
+    probe = Counter("tierstore:bench_probe", "a probe", ["tier", "engine"])
+    try:
+        probe.labels(tier="cpu", engine="0").inc(3)
+        probe.labels(tier="disk", engine="0").inc(2)
+        probe.labels(tier="disk", engine="1").inc(1)
+        got = metric_delta(metric_totals(), before)
+    finally:
+        REGISTRY.unregister(probe)
+    assert got["tierstore:bench_probe"] == 6
+    assert got['tierstore:bench_probe{tier="cpu"}'] == 3
+    assert got['tierstore:bench_probe{tier="disk"}'] == 3
 
 
 def test_multi_turn_extends_the_previous_prompt_and_answer_round_robin() -> None:
