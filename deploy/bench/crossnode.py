@@ -39,12 +39,16 @@ NAMESPACE = "tierstore-bench-crossnode"
 NS = Namespace("c055")
 _REPEATS = 5
 _SEED = 1234
+# The scheduler's step between a lookup's answer and the load it schedules (vLLM runs the
+# step's forward, then schedules the request whose lookup answered, then loads).
+_STEP_S = 0.02
 
 
 class Endpoint:
     """One side: a KV cache of random pages and a tierstore worker on this node."""
 
     def __init__(self, cfg: TierStoreConfig, size: int) -> None:
+        self._cfg = cfg
         self._jobs = PageJobs(cfg, NS, size, seed=_SEED)
         self._size = size
         self._payload = np.random.default_rng(_SEED).integers(0, 255, size, dtype=np.uint8)
@@ -67,6 +71,38 @@ class Endpoint:
         # The same seed made node A's source pages: the bytes must have arrived intact.
         assert self._jobs.loaded_intact()
         return statistics.median(times)
+
+    def load_after_lookup_s(self, keys: list[bytes], where: str, gap_s: float) -> dict[str, float]:
+        """Each chunk (a fresh one each time, held on ``where`` only) as an engine here
+        meets it: its manager's lookup answers HIT naming ``where`` (this node's NodeStore
+        starts pulling it), the scheduler's step takes ``gap_s``, then the worker loads
+        it. Medians: seconds from the lookup's answer to the load's end, and of the load
+        itself; the fraction of the bytes already here when the load started."""
+        evictor = EvictorClient(get_or_create_evictor(self._cfg))
+        node = ray.get_runtime_context().get_node_id()
+        worker = self._jobs._worker  # its counters: bytes already here at a load's start
+        named, local = worker.remote_named_bytes, worker.remote_named_bytes_local
+        from_answer, load_only = [], []
+        for key in keys:
+            spec = LoadSpec.build(NS, [ChunkKey(key)], [{0: NodeId(where)}])
+            self._jobs.clear_loaded()
+            ((state, at, _),) = evictor.lookup(NS, [ChunkKey(key)], "bench", 30.0, node).result()
+            answered = time.perf_counter()
+            assert at == {0: where}, (state, at)
+            if gap_s:
+                time.sleep(gap_s)
+            started = time.perf_counter()
+            self._jobs.load(spec)
+            ended = time.perf_counter()
+            assert self._jobs.loaded_intact()
+            from_answer.append(ended - answered)
+            load_only.append(ended - started)
+        return {
+            "from_answer_s": statistics.median(from_answer),
+            "load_s": statistics.median(load_only),
+            "local_at_start": (worker.remote_named_bytes_local - local)
+            / max(1, worker.remote_named_bytes - named),
+        }
 
     def put(self) -> list[ray.ObjectRef]:
         """A fresh object of the chunk's size, in this node's object store."""
@@ -105,7 +141,14 @@ def bench_size(cfg: TierStoreConfig, node_a: str, node_b: str, size: int) -> dic
     a, b = _endpoint(cfg, node_a, size), _endpoint(cfg, node_b, size)
     key = size.to_bytes(8, "big") + b"\0\0\0\0"
     assert ray.get(a.store.remote(key)) == node_a
-    load_s = ray.get(b.load_s.remote(key, node_a))
+    # No lookup (the path before pulls at lookup): the worker pulls at its load's start.
+    no_pull_s = ray.get(b.load_s.remote(key, node_a))
+    fresh = [size.to_bytes(8, "big") + i.to_bytes(4, "big") for i in range(1, 2 * _REPEATS + 1)]
+    for k in fresh:
+        assert ray.get(a.store.remote(k)) == node_a
+    at_once = ray.get(b.load_after_lookup_s.remote(fresh[:_REPEATS], node_a, 0.0))
+    after_step = ray.get(b.load_after_lookup_s.remote(fresh[_REPEATS:], node_a, _STEP_S))
+    load_s = at_once["from_answer_s"]
     get_s = statistics.median(ray.get(b.get_s.remote(a.put.remote())) for _ in range(_REPEATS))
     put_get_s = statistics.median(ray.get(b.put_get_s.remote(a)) for _ in range(_REPEATS))
     copy_ready_s = _make_hot(cfg, key, node_b)
@@ -118,11 +161,17 @@ def bench_size(cfg: TierStoreConfig, node_a: str, node_b: str, size: int) -> dic
         "bytes": size,
         "GBps": {
             "tierstore_load": gbps(load_s),
+            "tierstore_load_after_step": gbps(after_step["load_s"]),
+            "tierstore_load_no_pull": gbps(no_pull_s),
             "ray_get": gbps(get_s),
             "ray_put_get": gbps(put_get_s),
             "tierstore_load_local_copy": gbps(local_s),
         },
         "load_vs_ray_get": get_s / load_s,
+        "load_after_step_vs_ray_get": get_s / after_step["load_s"],
+        "no_pull_vs_ray_get": get_s / no_pull_s,
+        "local_at_load_start": at_once["local_at_start"],
+        "local_at_load_start_after_step": after_step["local_at_start"],
         "load_vs_ray_put_get": put_get_s / load_s,
         "local_copy_vs_remote_load": load_s / local_s,
         "copy_ready_s": copy_ready_s,
@@ -174,7 +223,8 @@ def _two_nodes() -> Iterator[tuple[str, str, str]]:
 
 def run(args: Any) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20]
-    cfg = TierStoreConfig(cpu_bytes_per_node=4 * (64 << 20), namespace=NAMESPACE)
+    # Room for every chunk the run stores on A and copies to B, below the low watermark.
+    cfg = TierStoreConfig(cpu_bytes_per_node=32 * (64 << 20), namespace=NAMESPACE)
     with _two_nodes() as (node_a, node_b, how):
         ensure_actors(cfg)
         try:
@@ -186,7 +236,14 @@ def run(args: Any) -> dict[str, Any]:
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
     sizes = results["sizes"]
-    names = ["tierstore_load", "tierstore_load_local_copy", "ray_put_get", "ray_get"]
+    names = [
+        "tierstore_load_no_pull",
+        "tierstore_load",
+        "tierstore_load_after_step",
+        "tierstore_load_local_copy",
+        "ray_put_get",
+        "ray_get",
+    ]
     return [
         plots.bars(
             out / "crossnode.png",
