@@ -1,14 +1,13 @@
 """Ray Serve LLM with tierstore (``tierstore.deploy.serve_llm``), driven with the OpenAI client.
 
 One app on a ``ray.cluster_utils`` cluster with token auth (tests/conftest.py): the tiny
-llama with tierstore on two replicas, one per raylet, and the same model without tierstore
-on one more replica, the reference. A prompt computed by one replica is served again by
-the other with its prefix loaded from tierstore, and its tokens equal the reference's
-(``serve_llm_scenario.py`` says how the other replica is reached). About two minutes: the
-three engines start at once.
+llama with tierstore on two replicas, one per raylet. A prompt computed by one replica is
+served again by the other with its prefix loaded from tierstore, and its tokens equal the
+suite's run of the same model without tierstore (``runs``, shared with test_parity.py)
+(``serve_llm_scenario.py`` says how the other replica is reached).
 
-The app-building half needs no cluster: ``test_llm_config_*`` check what the config hands
-to vLLM and that the ``serve run`` file builds.
+The other tests start no engine: what the config hands to vLLM (through Ray Serve LLM's
+own builder), a bad key refused when the app is built, and the ``serve run`` file.
 """
 
 from __future__ import annotations
@@ -22,7 +21,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.conftest import FP32_LOGPROB_TOL, MIN_CACHED_FRACTION, REPO, max_logprob_diff
+from tests.e2e.conftest import (
+    FP32_LOGPROB_TOL,
+    MIN_CACHED_FRACTION,
+    PROMPT,
+    REPO,
+    max_logprob_diff,
+    only,
+)
 from tierstore.errors import ConfigError
 
 serve_llm = pytest.importorskip(
@@ -31,7 +37,7 @@ serve_llm = pytest.importorskip(
 )
 
 _SCENARIO_TIMEOUT_S = 600
-_PROMPT_TOKENS = 1000
+_PROMPT_TOKENS = len(PROMPT)
 _BLOCK = 32
 _SERVE_FILE = REPO / "deploy" / "serve_llm.yaml"
 
@@ -137,14 +143,13 @@ def served(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 
 @pytest.mark.e2e
 def test_a_prompt_one_replica_computed_is_served_by_the_other_from_tierstore(
-    served: dict[str, Any],
+    served: dict[str, Any], runs
 ) -> None:
     facts = served
-    # One replica per raylet: the tierstore deployment's two and the reference's one.
-    assert sorted(facts["replica_nodes"]) == sorted(set(facts["replica_nodes"]))
-    assert set(facts["nodes"]) <= set(facts["replica_nodes"])
-    assert facts["models"] == ["tiny", "tiny-plain"]
-    cold, warm, plain = facts["cold"], facts["warm"], facts["plain"]
+    # One replica per raylet.
+    assert sorted(facts["replica_nodes"]) == facts["nodes"]
+    assert facts["models"] == ["tiny"]
+    cold, warm = facts["cold"], facts["warm"]
     assert cold["cached_tokens"] == 0
     # Until the other replica got it, replica A answered from its own device cache.
     for again in facts["device_hits"]:
@@ -155,7 +160,11 @@ def test_a_prompt_one_replica_computed_is_served_by_the_other_from_tierstore(
     loaded = facts["warm_after"]["loaded_chunks"] - facts["warm_before"]["loaded_chunks"]
     assert loaded >= warm["cached_tokens"] // _BLOCK
     assert facts["warm_after"]["hits"] > facts["warm_before"]["hits"]
-    # The same tokens as the engine without tierstore, greedy.
+    # The same tokens as the model without tierstore, greedy: the suite's reference
+    # engine's first pass (vLLM's LLM, same engine settings, nothing to load).
+    plain = only(runs["llama"]["device"], 0)
+    assert plain["num_cached_tokens"] == 0
     assert len(plain["tokens"]) == 8
     assert warm["tokens"] == plain["tokens"] == cold["tokens"]
     assert max_logprob_diff(warm, plain) <= FP32_LOGPROB_TOL
+    assert max_logprob_diff(cold, plain) <= FP32_LOGPROB_TOL
