@@ -257,11 +257,10 @@ class Evictor:
             return
         try:
             store = ray.get_actor(node_store_name(node), namespace=self._namespace)
-        except ValueError:  # the room goes back when its node is forgotten
-            logger.warning("no NodeStore for node %s; its copies are not pulled", node)
+            NodeStoreClient(store, node).pull(pulls)  # one-way
+        except Exception as exc:  # no NodeStore there (yet), or Ray refused: room back
+            logger.warning("node %s's copies are not pulled: %s", node, exc)
             self._send(self._index.replicated(node, [], [s for s, _ in pulls]))
-            return
-        NodeStoreClient(store, node).pull(pulls)  # one-way
 
     def promoted(
         self, node_id: str, done: list[ShardId], failed: list[ShardId], refused: list[ShardId]

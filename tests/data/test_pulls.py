@@ -1,6 +1,7 @@
 """A node's lookup-time pulls (tierstore.store.pulls), without Ray: one pull per holder,
 a shard asked for again while in flight is not pulled again, a load's join waits for the
-pull (bounded), and a failed pull fails whoever joins it."""
+pull (bounded), a failed pull fails whoever joined it, and a pull still queued fails
+nobody."""
 
 from __future__ import annotations
 
@@ -73,5 +74,23 @@ def test_a_join_waits_for_the_pull_at_most_its_deadline_and_a_failed_pull_fails_
     while pulls.status()["in_flight"]:
         time.sleep(0.01)
     assert holders.failed == [sid(0)]  # reported: the Evictor gives the room back
-    assert pulls.wait([sid(0)], 10) == [PullState.FAILED]  # a join after the failure too
     assert pulls.status()["failed"] == 1
+    # A load after the failure joins nothing: it reads the chunk from a holder itself.
+    assert pulls.wait([sid(0)], 10) == [PullState.NONE]
+
+
+def test_a_pull_queued_behind_a_slow_holder_fails_no_load_from_another_holder() -> None:
+    holders = Holders()
+    pulls = holders.pulls(workers=1)
+    pulls.start([(sid(0), A)])  # A hangs: it holds the only pull thread
+    while not holders.fetches:
+        time.sleep(0.01)
+    pulls.start([(sid(1), C)])  # queued behind A's
+    started = time.monotonic()
+    # The load of C's shard does not wait on (or fail with) the queue: it reads from C.
+    assert pulls.wait([sid(1)], 5) == [PullState.NONE]
+    assert time.monotonic() - started < 1
+    # A's own shard is joined: its pull runs.
+    assert pulls.wait([sid(0)], 0.1) == [PullState.FAILED]
+    holders.release.set()
+    assert pulls.wait([sid(0)], 10) == [PullState.HELD]

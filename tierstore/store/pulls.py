@@ -12,8 +12,10 @@ engine's load then finds them in this node's arena, or waits for the pull in fli
   chunk at once: one pull); the Evictor starts no second copy of a chunk either;
 - what lands is verified and kept as the Evictor's replica (``accept``: it reports
   which landed); a pull that fails is reported failed, and its room given back;
-- :meth:`Pulls.wait` is a load's join: it waits for the shards' pulls (at most its
-  deadline) and says of each whether it is held here, failed, or was never pulled.
+- :meth:`Pulls.wait` is a load's join: it waits for the shards' pulls running now (at
+  most its deadline) and says of each whether it is held here, failed, or none is
+  running (never pulled, or still queued behind other holders' pulls: the load pulls it
+  from its holder itself, so one slow holder never fails loads from the others).
 
 No Ray here: ``fetch`` (the holder's shards and metas, one call) and ``accept`` are
 the actor's. Threads: :meth:`start` and :meth:`wait` on any thread (they hold the lock
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -35,9 +36,6 @@ from tierstore.keys import NodeId, ShardId
 from tierstore.wire import PullState, ShardMeta
 
 logger = logging.getLogger(__name__)
-
-# How many shards whose pull failed are remembered (:meth:`Pulls.wait` answers FAILED).
-FAILED_KEPT = 4096
 
 __all__ = ["Fetch", "PullState", "Pulls"]
 
@@ -68,20 +66,18 @@ class Pulls:
         )
         self._lock = threading.Lock()
         self._in_flight: dict[ShardId, Future[bool]] = {}
-        # Shards whose pull failed lately: a load that joins after the failure fails too
-        # (as one that joined before), rather than pulling from the holder that failed.
-        self._failed_lately: OrderedDict[ShardId, None] = OrderedDict()
+        self._running: set[Future[bool]] = set()  # pulls a pool thread has begun
         self._counts = {"pulls": 0, "shards": 0, "bytes": 0, "failed": 0, "joined": 0, "waits": 0}
 
     def start(self, pulls: Sequence[tuple[ShardId, NodeId]]) -> int:
         """Pull each shard from its holder, one pull per holder; a shard already being
-        pulled or held here is skipped. Returns the pulls started. Never blocks."""
+        pulled is skipped (the Evictor starts no copy of a chunk held here). Returns the
+        pulls started. Never blocks."""
         by_holder: dict[NodeId, list[ShardId]] = {}
         futures: dict[NodeId, Future[bool]] = {}
         with self._lock:
             for shard_id, holder in pulls:
                 shard_id, holder = ShardId(*shard_id), NodeId(holder)
-                self._failed_lately.pop(shard_id, None)
                 if shard_id in self._in_flight:
                     self._counts["joined"] += 1
                     continue
@@ -93,12 +89,15 @@ class Pulls:
             try:
                 self._pool.submit(self._pull, holder, shard_ids, futures[holder])
             except RuntimeError:  # shut down
+                self._report_failed(shard_ids)
                 self._end(shard_ids, futures[holder], False)
         return len(by_holder)
 
     def _pull(self, holder: NodeId, shard_ids: list[ShardId], done: Future[bool]) -> None:
         """Pool thread: fetch, keep what verifies, report; never raises."""
         ok = False
+        with self._lock:
+            self._running.add(done)
         try:
             views, metas = self._fetch(holder, shard_ids)
             if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
@@ -112,42 +111,45 @@ class Pulls:
             logger.warning("pulling %d shards from node %s failed: %s", len(shard_ids), holder, exc)
             with self._lock:
                 self._counts["failed"] += 1
-            try:
-                self._failed(shard_ids)
-            except Exception:
-                logger.warning("reporting a failed pull raised", exc_info=True)
+            self._report_failed(shard_ids)
         finally:
             self._end(shard_ids, done, ok)
+
+    def _report_failed(self, shard_ids: list[ShardId]) -> None:
+        """Tell the Evictor (``failed``) so it gives the copies' room back; never raises."""
+        try:
+            self._failed(shard_ids)
+        except Exception:
+            logger.warning("reporting a failed pull raised", exc_info=True)
 
     def _end(self, shard_ids: list[ShardId], done: Future[bool], ok: bool) -> None:
         with self._lock:
             for shard_id in shard_ids:
                 if self._in_flight.get(shard_id) is done:
                     del self._in_flight[shard_id]
-                    if not ok:
-                        self._failed_lately[shard_id] = None
-            while len(self._failed_lately) > FAILED_KEPT:
-                self._failed_lately.popitem(last=False)
+            self._running.discard(done)
         done.set_result(ok)
 
     def wait(self, shard_ids: Sequence[ShardId], timeout_s: float) -> list[PullState]:
-        """A load's join: wait (at most ``timeout_s``) for the pulls of ``shard_ids`` in
-        flight, then say of each whether it is held here, its pull failed (or is still
-        running at the deadline), or none was made. Blocks the calling thread only."""
+        """A load's join: wait (at most ``timeout_s``) for the running pulls of
+        ``shard_ids``, then say of each whether it is held here, the pull it joined failed
+        (or still runs at the deadline), or it joined none (none in flight, one still
+        queued, or one that landed and was evicted since): the load then reads it from its
+        holder. Blocks the calling thread only."""
         shard_ids = [ShardId(*s) for s in shard_ids]
         with self._lock:
             futures = {s: self._in_flight.get(s) for s in shard_ids}
-            failed = {s for s in shard_ids if s in self._failed_lately}
+            joined = {f for f in futures.values() if f is not None and f in self._running}
             self._counts["waits"] += 1
-        pending = {f for f in futures.values() if f is not None}
-        if pending:
-            futures_wait(pending, timeout=timeout_s)
+        if joined:
+            futures_wait(joined, timeout=timeout_s)
         states = []
         for shard_id in shard_ids:
             future = futures[shard_id]
+            landed = future is not None and future.done() and future.result()
             if self._holds(shard_id):
                 states.append(PullState.HELD)
-            elif future is not None or shard_id in failed:  # failed, or still running
+            elif future in joined and not landed:
                 states.append(PullState.FAILED)
             else:
                 states.append(PullState.NONE)

@@ -385,13 +385,11 @@ class TierStoreWorker(OffloadingWorker):
         if not remote:
             return None
         left = self._timeout_s - (time.perf_counter() - started)
+        if left <= 0:  # no time to join: the load reads from the holders
+            return None
         ids = [ShardId(spec.namespace, spec.keys[i], self._rank) for i in remote]
         try:
-            states = (
-                self._ports.node_store(local)
-                .wait_pulls(ids, max(0.0, left * _JOIN_SHARE))
-                .result(max(left, 0.0))
-            )
+            states = self._ports.node_store(local).wait_pulls(ids, left * _JOIN_SHARE).result(left)
         except Exception as exc:  # this node's NodeStore did not answer: pull here
             logger.warning("could not join this node's pulls (%s); loading from the holders", exc)
             self._ports.forget_node_store(local)
