@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     parser.add_argument("--disk-root", type=Path, default=None, help="where to write (disk)")
+    _add_engine_arguments(parser)
+    _add_control_plane_arguments(parser)
+    add_log_arguments(parser)  # default log file: OUT/NAME.log
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the benchmarks that run vLLM engines."""
     parser.add_argument(
         "--model",
         choices=["tiny", "0.1b"],
@@ -107,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="e2e_hits, longdoc, multiround: engine runs per engine kind (2: forward then "
         "back, each kind's runs pooled; default 1)",
     )
+
+
+def _add_control_plane_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the evictor and controlplane benchmarks."""
     parser.add_argument(
         "--index",
         choices=["both", "chunk", "compact"],
@@ -129,7 +140,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--groups", type=int, default=3, help="controlplane --shards: KV groups")
     parser.add_argument("--tp", type=int, default=2, help="controlplane --shards: TP ranks")
-    add_log_arguments(parser)  # default log file: OUT/NAME.log
 
 
 def run_benchmark(args: argparse.Namespace) -> int:

@@ -140,6 +140,16 @@ def run_paced(
             record(request.prompt, result, extra)
 
 
+def _store_pass(llm: Any, params: dict[str, Any], sampling: Any) -> dict[str, Any]:
+    """The hit pass's set-up: every prompt stored first (only the hit pass is measured)."""
+    started = time.perf_counter()
+    for prompt in Unique(**params).prompts():
+        run_request(llm, prompt, sampling)
+    drain(llm)
+    llm.reset_prefix_cache()
+    return {"wall_s": time.perf_counter() - started}
+
+
 def run_workload(
     llm: Any, kind: str, params: dict[str, Any], max_tokens: int, namespace: str | None
 ) -> dict[str, Any]:
@@ -147,15 +157,7 @@ def run_workload(
     llm.reset_prefix_cache()
     sampling = sampling_params(max_tokens)
     requests: list[dict[str, Any]] = []
-    store_pass: dict[str, Any] = {}
-    if kind == "hit_pass":  # store every prompt first; only the hit pass is measured
-        stored = Unique(**params)
-        started = time.perf_counter()
-        for prompt in stored.prompts():
-            run_request(llm, prompt, sampling)
-        drain(llm)
-        llm.reset_prefix_cache()
-        store_pass["wall_s"] = time.perf_counter() - started
+    store_pass = _store_pass(llm, params, sampling) if kind == "hit_pass" else {}
     before = _tierstore_totals(namespace)
     metrics_before = metric_totals()
 
