@@ -609,22 +609,26 @@ def run_check(config: Path = CONFIG, keep: bool = False) -> dict[str, Any]:
         logger.exception("the check failed")
         summary["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        left = stop_cluster(str(run.temp_dir))  # whatever the check left (none if it passed)
-        for name, pid in _alive(actor_pids).items():
-            logger.warning("killing %s (pid %d): it outlived its cluster", name, pid)
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
-        summary["killed_after"] = [p.pid for p in left]
-        summary["arena_files_removed_after"] = _remove_arena_files(run.namespace)
-        summary["log_tail"] = (
-            run.log.read_text(errors="replace")[-3000:] if run.log.exists() else ""
-        )
+        _clean_up(run, actor_pids, summary)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
         timings["total"] = round(time.monotonic() - started, 1)
     return summary
+
+
+def _clean_up(run: Run, actor_pids: dict[str, int], summary: dict[str, Any]) -> None:
+    """Stops whatever the check left (none if it passed): the cluster's processes, actor
+    processes that outlived it, arena files; records what it removed in ``summary``."""
+    left = stop_cluster(str(run.temp_dir))
+    for name, pid in _alive(actor_pids).items():
+        logger.warning("killing %s (pid %d): it outlived its cluster", name, pid)
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    summary["killed_after"] = [p.pid for p in left]
+    summary["arena_files_removed_after"] = _remove_arena_files(run.namespace)
+    summary["log_tail"] = run.log.read_text(errors="replace")[-3000:] if run.log.exists() else ""
 
 
 def _submit_bench(run: Run) -> dict[str, Any]:
