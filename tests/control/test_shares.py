@@ -110,6 +110,6 @@ def test_a_plan_never_asks_more_than_the_tier_and_keeps_floors(
     assert sum(p - c for c, p in zip(caps, plan, strict=True) if p > c) <= move
     if not any(load.pressured for load in loads):
         assert plan == caps
-    for load, cap, p in zip(loads, caps, plan, strict=True):
+    for cap, p in zip(caps, plan, strict=True):
         if p < cap:  # a giver: never below the floor (an active one's room: see above)
             assert p >= min(cap, floor)

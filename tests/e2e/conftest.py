@@ -284,3 +284,31 @@ class FamilyRuns(dict):
 @pytest.fixture(scope="package")
 def runs(run_engine, tiny_model) -> FamilyRuns:
     return FamilyRuns(run_engine, tiny_model)
+
+
+def run_scenario(
+    module: str, model: str, out: Path, timeout_s: float, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Runs ``python -m module model out`` (a scenario driving a Ray cluster of its own)
+    and returns the facts it wrote to ``out``; raises with its output if it failed."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **(extra_env or {}),
+    }
+    env.pop("RAY_ADDRESS", None)  # the scenario drives a cluster of its own
+    proc = subprocess.run(
+        [sys.executable, "-m", module, model, str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    facts = json.loads(out.read_text()) if out.exists() else {}
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{module} failed ({proc.returncode}); facts so far {facts}\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return facts

@@ -8,10 +8,7 @@ executor.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections import defaultdict
 from typing import Any
 
@@ -24,10 +21,10 @@ from tests.e2e.conftest import (
     MIN_CACHED_FRACTION,
     PROMPT,
     RAY_NAMESPACE,
-    REPO,
     engine_for,
     max_logprob_diff,
     only,
+    run_scenario,
     tierstore_extra,
 )
 
@@ -41,27 +38,10 @@ _BLOCK = 32
 @pytest.fixture(scope="module")
 def multinode(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("multinode") / "facts.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    }
-    env.pop("RAY_ADDRESS", None)  # the scenario drives a cluster of its own
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.multinode_scenario", tiny_model("llama"), str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=_SCENARIO_TIMEOUT_S,
+    extra_env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    return run_scenario(
+        "tests.e2e.multinode_scenario", tiny_model("llama"), out, _SCENARIO_TIMEOUT_S, extra_env
     )
-    facts = json.loads(out.read_text()) if out.exists() else {}
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"multi-node scenario failed ({proc.returncode}); facts so far {facts}\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    return facts
 
 
 def test_an_engine_on_another_node_loads_what_the_first_stored(multinode: dict[str, Any]) -> None:

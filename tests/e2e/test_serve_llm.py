@@ -12,10 +12,6 @@ own builder), a bad key refused when the app is built, and the ``serve run`` fil
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -28,6 +24,7 @@ from tests.e2e.conftest import (
     REPO,
     max_logprob_diff,
     only,
+    run_scenario,
 )
 from tierstore.errors import ConfigError
 
@@ -119,26 +116,9 @@ def test_the_serve_run_file_builds_an_openai_app_on_loopback(ray_cluster: str) -
 @pytest.fixture(scope="module")
 def served(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("serve-llm") / "facts.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
-    env.pop("RAY_ADDRESS", None)  # the scenario drives a cluster of its own
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.e2e.serve_llm_scenario", tiny_model("llama"), str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=_SCENARIO_TIMEOUT_S,
+    return run_scenario(
+        "tests.e2e.serve_llm_scenario", tiny_model("llama"), out, _SCENARIO_TIMEOUT_S
     )
-    facts = json.loads(out.read_text()) if out.exists() else {}
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"Ray Serve LLM scenario failed ({proc.returncode}); facts so far {facts}\n"
-            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-        )
-    return facts
 
 
 @pytest.mark.e2e

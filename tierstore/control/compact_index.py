@@ -47,6 +47,7 @@ dict is new per answer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
@@ -297,34 +298,33 @@ class CompactChunkIndex:
         """As :meth:`ChunkIndex.record_loads`: a chunk ``node`` loaded from elsewhere
         ``replicate_after_loads`` times is copied into its CPU tier if that fits below the
         low watermark (a replica never evicts anything)."""
-        if not self._replicate_after or node not in self._registered:
+        if not self._replicate_after:
             return {}
-        merged: Actions = {}
-        started: set[ChunkKey] = set()  # a replica made in this call: its node holds it now
-        counts = self._core.replica_candidates(namespace, list(keys), node)
-        for key, counts_here in zip(keys, counts, strict=True):
-            if not counts_here or key in started:
-                continue
-            cid = ChunkId(namespace, key)
-            if not self._remote_loads.due(cid, node):
-                continue
-            made, raw = self._core.start_replica(namespace, key, node)
-            if made:
-                started.add(key)
-            for holder, actions in self._actions(raw).items():
-                merged.setdefault(holder, NodeActions()).push.extend(actions.push)
-        return merged
+        return self._copies(namespace, keys, node, lambda cid: self._remote_loads.due(cid, node))
 
     def start_copies(self, namespace: Namespace, keys: list[ChunkKey], node: NodeId) -> Actions:
         """As :meth:`ChunkIndex.start_copies`: copies on ``node`` of the complete chunks
         it holds no shard of, started now (no count of loads); the holders' pushes."""
+        return self._copies(namespace, keys, node, None)
+
+    def _copies(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        node: NodeId,
+        due: Callable[[ChunkId], bool] | None,
+    ) -> Actions:
+        """Copies on ``node`` of the candidates among ``keys`` (and, given ``due``, that
+        are due: asked only of candidates), started now; the holders' pushes."""
         if node not in self._registered:
             return {}
         merged: Actions = {}
-        started: set[ChunkKey] = set()
+        started: set[ChunkKey] = set()  # a replica made in this call: its node holds it now
         counts = self._core.replica_candidates(namespace, list(keys), node)
         for key, candidate in zip(keys, counts, strict=True):
             if not candidate or key in started:
+                continue
+            if due is not None and not due(ChunkId(namespace, key)):
                 continue
             made, raw = self._core.start_replica(namespace, key, node)
             if made:

@@ -33,24 +33,26 @@ class ReplicasMixin(IndexState):
         """``node`` loaded ``keys``. A chunk it loaded from elsewhere ``replicate_after_loads``
         times is copied into its CPU tier, if that fits below the low watermark: a replica
         never evicts anything, and one that does not fit is simply not made."""
-        actions: Actions = defaultdict(NodeActions)
-        if not self._replicate_after or node not in self._nodes:
+        if not self._replicate_after:
             return {}
-        for key in keys:
-            cid = ChunkId(namespace, key)
-            chunk = self._chunks.get(cid)
-            if chunk is None or not chunk.complete or self._holds(chunk, node):
-                continue
-            if not self._remote_loads.due(cid, node):
-                continue
-            self._start_replica(cid, chunk, node, actions)
-        return dict(actions)
+        return self._copies(namespace, keys, node, lambda cid: self._remote_loads.due(cid, node))
 
     def start_copies(self, namespace: Namespace, keys: list[ChunkKey], node: NodeId) -> Actions:
         """``node`` is about to load ``keys`` from elsewhere (a lookup from it answered
         HIT): start a copy of each complete chunk it holds no shard of, now, under the
         replica rules (:meth:`record_loads`'s, without its count of loads). Returns the
         holders' pushes (the caller may have ``node`` pull instead)."""
+        return self._copies(namespace, keys, node, None)
+
+    def _copies(
+        self,
+        namespace: Namespace,
+        keys: list[ChunkKey],
+        node: NodeId,
+        due: Callable[[ChunkId], bool] | None,
+    ) -> Actions:
+        """Copies on ``node`` of the complete chunks of ``keys`` it holds no shard of (and,
+        given ``due``, that are due: asked only of those), started now."""
         actions: Actions = defaultdict(NodeActions)
         if node not in self._nodes:
             return {}
@@ -58,6 +60,8 @@ class ReplicasMixin(IndexState):
             cid = ChunkId(namespace, key)
             chunk = self._chunks.get(cid)
             if chunk is None or not chunk.complete or self._holds(chunk, node):
+                continue
+            if due is not None and not due(cid):
                 continue
             self._start_replica(cid, chunk, node, actions)
         return dict(actions)
