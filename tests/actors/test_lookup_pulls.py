@@ -184,7 +184,7 @@ def test_a_pull_whose_holder_died_fails_the_load_within_its_deadline(
     ok, seconds = _load(env, keys, job=3)
     assert not ok and worker.failed_loads == failed_before + 1  # the request recomputes
     assert seconds < DEADLINE_S
-    assert worker.failed_pulls == 1
+    # The load failed joining the pull, or (the pull failed first) reading from A itself.
     wait_for(lambda: _pulls_here(env)["failed"] == 1, "the failed pull counted", _WAIT_S)
     assert not env["kv"].any()  # nothing of the chunks was written
 
