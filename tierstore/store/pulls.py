@@ -61,12 +61,14 @@ class Pulls:
         self._accept = accept
         self._failed = failed
         self._holds = holds
+        self._workers = max(1, workers)
         self._pool = ThreadPoolExecutor(
-            max_workers=max(1, workers), thread_name_prefix="tierstore-pull"
+            max_workers=self._workers, thread_name_prefix="tierstore-pull"
         )
         self._lock = threading.Lock()
         self._in_flight: dict[ShardId, Future[bool]] = {}
-        self._running: set[Future[bool]] = set()  # pulls a pool thread has begun
+        self._active = 0  # pulls submitted and not ended
+        self._running: set[Future[bool]] = set()  # begun, or sure to begin at once
         self._counts = {"pulls": 0, "shards": 0, "bytes": 0, "failed": 0, "joined": 0, "waits": 0}
 
     def start(self, pulls: Sequence[tuple[ShardId, NodeId]]) -> int:
@@ -81,7 +83,12 @@ class Pulls:
                 if shard_id in self._in_flight:
                     self._counts["joined"] += 1
                     continue
-                future = futures.setdefault(holder, Future())
+                if holder not in futures:
+                    futures[holder] = Future()
+                    if self._active < self._workers:  # a pool thread is free for it
+                        self._running.add(futures[holder])
+                    self._active += 1
+                future = futures[holder]
                 self._in_flight[shard_id] = future
                 by_holder.setdefault(holder, []).append(shard_id)
             self._counts["pulls"] += len(by_holder)
@@ -128,6 +135,7 @@ class Pulls:
                 if self._in_flight.get(shard_id) is done:
                     del self._in_flight[shard_id]
             self._running.discard(done)
+            self._active -= 1
         done.set_result(ok)
 
     def wait(self, shard_ids: Sequence[ShardId], timeout_s: float) -> list[PullState]:
