@@ -334,7 +334,9 @@ class NodeStoreCore:
         self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
     ) -> None:
         """Keep replica shards another node pushed, verified; the Evictor hears which
-        (:meth:`ReplicaTransfers.accept`). Control thread."""
+        (:meth:`ReplicaTransfers.accept`). The control thread (pushed copies) or a pull
+        thread (:mod:`tierstore.store.pulls`): the tiers and counters it uses are
+        thread-safe, but it is not ordered with ``apply`` or a re-registration."""
         self._replicas.accept(shards, views)
 
     def write_through(self, shard_ids: list[ShardId]) -> None:

@@ -4,7 +4,8 @@ loading them, and keeping the ones another node pushed here.
 :class:`ReplicaTransfers` is a part :class:`~tierstore.store.node_store.NodeStoreCore`
 owns and delegates to: it is given the node's tiers, the Evictor and peer ports, the
 counters and the core's ``drop`` (which takes the core's disk lock), and keeps no state
-of its own. Control thread (the core's ``apply`` and ``accept_replicas``); it holds no
+of its own. The control thread (the core's ``apply`` and ``accept_replicas``) and the
+NodeStore's pull threads (``accept_replicas`` of lookup-time pulls); it holds no
 lock across a peer or Evictor call.
 """
 
