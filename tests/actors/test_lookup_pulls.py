@@ -133,7 +133,11 @@ def test_a_remote_hit_is_pulled_at_lookup_and_loaded_bit_exact_from_the_local_co
     worker: TierStoreWorker = env["worker"]
     served_by_a, pulls = _loaded_from_a(env), _pulls_here(env)["pulls"]
     _lookup_here(env, keys, "request-1")
-    ok, _ = _load(env, keys, job=1)  # at once: it finds the copy, or joins its pull
+    # The pull message (Evictor -> head's NodeStore) and the load (worker -> head's
+    # NodeStore) come from two callers, in no set order: a load that comes first reads
+    # from A itself (correct, but both cross). Here the load follows the pull's start.
+    wait_for(lambda: _pulls_here(env)["pulls"] == pulls + 1, "the pull started", _WAIT_S)
+    ok, _ = _load(env, keys, job=1)  # it finds the copy, or joins its pull
     assert ok
     assert np.array_equal(env["kv"][: len(keys)].numpy().reshape(-1), payload)
     # One pull (one call to A for the request's three chunks), and nothing else from A:

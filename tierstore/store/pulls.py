@@ -15,7 +15,9 @@ engine's load then finds them in this node's arena, or waits for the pull in fli
 - :meth:`Pulls.wait` is a load's join: it waits for the shards' pulls running now (at
   most its deadline) and says of each whether it is held here, failed, or none is
   running (never pulled, or still queued behind other holders' pulls: the load pulls it
-  from its holder itself, so one slow holder never fails loads from the others).
+  from its holder itself, so one slow holder never fails loads from the others). The
+  Evictor's pull message and the worker's load reach the NodeStore from two callers in
+  no set order: a load that arrives first reads from the holder too.
 
 No Ray here: ``fetch`` (the holder's shards and metas, one call) and ``accept`` are
 the actor's. Threads: :meth:`start` and :meth:`wait` on any thread (they hold the lock
