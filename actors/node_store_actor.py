@@ -38,6 +38,7 @@ from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.names import evictor_name, node_store_name
 
 from tierstore.config import TierStoreConfig
+from tierstore.data.arena.reaper import start_reaper
 from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.disk import DiskTier
@@ -176,6 +177,8 @@ class NodeStore:
             path = Path(cfg.disk_path)  # absolute: the config refuses anything else
             disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync, node_id=node_id)
         self._cpu = _open_arena(cfg, node_id, disk.folder if disk is not None else None)
+        # Unlinks the arena once this process is gone, however it dies (ray down, kill).
+        self._reaper = start_reaper(self._cpu.info())
         self._apply_failures = 0
         self._write_through: BatchQueue[list[ShardId]] = BatchQueue(
             self._write, "tierstore-write-through"

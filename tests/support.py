@@ -161,19 +161,22 @@ def flip_bit(path: str | Path, offset: int, mask: int = 0x01) -> None:
 
 
 def nodestore_process(
-    namespace: str, node: str, nbytes: int, shm_dir: Path | None = None
+    namespace: str, node: str, nbytes: int, shm_dir: Path | None = None, reaper: bool = False
 ) -> tuple[subprocess.Popen[str], RegionInfo]:
     """A NodeStore-like process owning an arena (its first 8 bytes 7) until it is
-    killed: it runs no shutdown hook, so its file stays, its lock goes with it. Returns
-    the process and its arena's ``RegionInfo``; ``shm_dir``: the region's default."""
+    killed: it runs no shutdown hook, so its file stays (unless ``reaper``: it starts the
+    arena's reaper, as a NodeStore does), its lock goes with it. Returns the process and
+    its arena's ``RegionInfo``; ``shm_dir``: the region's default."""
     from tierstore.data.arena.region import SHM_DIR, RegionInfo
 
     code = (
         "import dataclasses, json, sys, time\n"
         "from pathlib import Path\n"
         "from tierstore.data.arena.region import ArenaRegion\n"
+        "from tierstore.data.arena.reaper import start_reaper\n"
         f"r = ArenaRegion.create({namespace!r}, {node!r}, {nbytes}, "
         f"shm_dir=Path({str(shm_dir or SHM_DIR)!r}), held_wait_s=0)\n"
+        f"reaper = start_reaper(r.info) if {reaper!r} else None\n"
         "r.view(0, 8)[:] = 7\n"
         "print(json.dumps(dataclasses.asdict(r.info)), flush=True)\n"
         "time.sleep(600)\n"
