@@ -178,7 +178,7 @@ class NodeStore:
             disk = DiskTier(path, cfg.disk_bytes_per_node, fsync=cfg.disk_fsync, node_id=node_id)
         self._cpu = _open_arena(cfg, node_id, disk.folder if disk is not None else None)
         # Unlinks the arena once this process is gone, however it dies (ray down, kill).
-        self._reaper = start_reaper(self._cpu.info())
+        self._reaper = start_reaper(self._cpu.info)  # None: logged; the sweep remains
         self._apply_failures = 0
         self._write_through: BatchQueue[list[ShardId]] = BatchQueue(
             self._write, "tierstore-write-through"
@@ -491,12 +491,15 @@ class NodeStore:
         self._arena.loaded(epoch, shards, nbytes)
 
     def __ray_shutdown__(self) -> None:
-        """Graceful stop: the arena's file goes (a killed NodeStore's is replaced or
-        removed by the next one)."""
+        """Graceful stop: the arena's file goes, and its reaper with it (a killed
+        NodeStore's file is removed by its reaper; else replaced or swept by the next
+        NodeStore)."""
         self._stop.set()
         self._pulls.close()
         self._write_through.close(_WRITE_THROUGH_DRAIN_S)
         self._cpu.close()
+        if self._reaper is not None:
+            self._reaper.release()  # the file is gone: its reaper exits now
 
     def inventory(self) -> set[tuple[ShardId, TierName]]:
         return self._core.inventory()
