@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "crossnode": "tierstore.deploy.bench.crossnode",
     "soak": "tierstore.deploy.bench.soak",
     "lookup": "tierstore.deploy.bench.lookup",
+    "transport": "tierstore.deploy.bench.transport",
     "longdoc": "tierstore.deploy.bench.standard",
     "multiround": "tierstore.deploy.bench.standard",
 }
