@@ -39,6 +39,7 @@ from tierstore.wire import (
     config_of,
     decision_of,
     event_batch_of,
+    holders_of,
     metas_of,
     node_load_of,
     nodes_of,
@@ -146,6 +147,12 @@ class EvictorClient:
         self, namespace: Namespace, keys: list[ChunkKey], rank: int, avoid_node: str
     ) -> Pending[list[NodeId | None]]:
         return self._call("locate", namespace, keys, rank, avoid_node, convert=nodes_of)
+
+    def holders(
+        self, namespace: Namespace, keys: list[ChunkKey], world_size: int = 1
+    ) -> Pending[list[frozenset[NodeId]]]:
+        """Read-only (no lease, no pull): per key, the nodes holding every rank of it."""
+        return self._call("holders", namespace, keys, world_size, convert=holders_of)
 
     def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> Pending[None]:
         return self._call("replicated", node_id, done, failed)

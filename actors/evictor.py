@@ -30,6 +30,7 @@ from tierstore.errors import ConfigError
 from tierstore.fields import MalformedField, integer
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.wire import (
+    MAX_ENTRIES,
     EventBatch,
     LookupAnswer,
     LookupState,
@@ -321,6 +322,34 @@ class Evictor:
     ) -> list[NodeId | None]:
         """Where else a worker can load from, after a load from ``avoid_node`` failed."""
         return self._index.locate(namespace, keys, rank, NodeId(avoid_node))
+
+    def holders(
+        self, namespace: Namespace, keys: list[ChunkKey], world_size: int = 1
+    ) -> list[list[str]]:
+        """Read-only, for a request router: per key, the nodes whose own tiers hold every
+        rank (``0..world_size-1``) of its chunk. No lease, no pull, no recency touch, not
+        counted as asked: it changes nothing an engine's lookup would see.
+
+        Built from :meth:`locate`'s index query, so it sees per rank the chunk's holder
+        (not while it is being promoted from disk) and one complete copy on another node
+        (a hot-chunk copy); a third copy is not named. At most ``MAX_ENTRIES`` keys."""
+        world = integer("world_size", world_size, 1, 1 << 16)
+        if len(keys) > MAX_ENTRIES:
+            raise MalformedField("keys", len(keys), f"more than {MAX_ENTRIES}")
+        keys = list(keys)
+        nowhere = NodeId("")  # no node has this id: locate avoids none
+        held: list[set[NodeId]] | None = None
+        for rank in range(world):
+            first = self._index.locate(namespace, keys, rank, nowhere)
+            on_rank: list[set[NodeId]] = [set() if n is None else {n} for n in first]
+            for node in {n for n in first if n is not None}:
+                picked = [i for i, n in enumerate(first) if n == node]
+                other = self._index.locate(namespace, [keys[i] for i in picked], rank, node)
+                for i, n in zip(picked, other, strict=True):
+                    if n is not None:
+                        on_rank[i].add(n)
+            held = on_rank if held is None else [a & b for a, b in zip(held, on_rank, strict=True)]
+        return [sorted(nodes) for nodes in held or []]
 
     def replicated(self, node_id: str, done: list[ShardId], failed: list[ShardId]) -> None:
         """A NodeStore received replica shards (``done``) or could not (``failed``)."""

@@ -498,6 +498,11 @@ def nodes_of(values: Iterable[Any]) -> list[NodeId | None]:
     return [None if n is None else NodeId(n) for n in values]
 
 
+def holders_of(values: Iterable[Any]) -> list[frozenset[NodeId]]:
+    """``holders``' answer: per key, the nodes whose own tiers hold every rank of it."""
+    return [frozenset(NodeId(n) for n in nodes) for nodes in values]
+
+
 # ---- residency events (KV-cache events) ---------------------------------------------------
 class ResidencyEvent(NamedTuple):
     seq: int
