@@ -13,31 +13,28 @@ Ray temp dir, auth token and free ports, all on 127.0.0.1):
    NodeStore on it too (the Evictor's reconcile placed it);
 4. ``ray job submit`` runs the control-plane benchmark (``--quick``) on the cluster;
 5. ``ray down -y``; then no process of the cluster, no tierstore actor process, no arena
-   file and no holder lock of its namespace in ``/dev/shm`` may be left.
+   reaper, no arena file and no holder lock of its namespace in ``/dev/shm`` may be
+   left (each killed NodeStore's reaper removes its arena a moment after; waited for up
+   to ``_LEFTOVERS_TIMEOUT_S``).
 
 Whatever fails, the cluster's processes are stopped and the directory removed. Every
 wait has a deadline. The exit status is 0 only if every check passed; a JSON summary
 (nodes, NodeStores, the status text, the job's result, what cleanup found, wall times)
 is printed last.
 
-The module also holds the node provider the YAML names, :class:`LocalFakeMultiNodeProvider`
-(Ray's fake multi-node provider, plus what ``ray up`` needs to set up its head on this
-machine; the YAML says why Ray's own cannot be launched with ``ray up``). The launcher
-(``ray up``/``ray down``) and the autoscaler (in the head's monitor process) load it by
-module path, so it imports nothing of tierstore's but this module.
+The node provider the YAML names is in :mod:`tierstore.deploy.fake_provider`; the
+cluster's processes are found and stopped by :mod:`tierstore.deploy.local_cluster`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
 import secrets
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -49,279 +46,28 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import psutil  # type: ignore[import-untyped]  # Ray's dependency (also vendored)
-from ray.autoscaler._private.command_runner import _with_environment_variables
-from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
-from ray.autoscaler.command_runner import CommandRunnerInterface
-from ray.autoscaler.tags import (
-    NODE_KIND_HEAD,
-    NODE_KIND_WORKER,
-    STATUS_UP_TO_DATE,
-    TAG_RAY_NODE_KIND,
-    TAG_RAY_NODE_NAME,
-    TAG_RAY_NODE_STATUS,
-    TAG_RAY_USER_NODE_TYPE,
-)
+from tierstore.deploy.fake_provider import LOOPBACK
+from tierstore.deploy.local_cluster import cluster_processes, stop_cluster
+
+from tierstore.data.arena.reaper import is_reaper
 
 logger = logging.getLogger(__name__)
 
 CONFIG = Path(__file__).resolve().parent / "fake_cluster.yaml"
-LOOPBACK = "127.0.0.1"
 # The values fake_cluster.yaml is written with; each run replaces them with its own.
 _YAML_GCS_PORT = "6379"
 _YAML_DASHBOARD_PORT = "8265"
 _YAML_TEMP_DIR = "/tmp/tierstore-fake-ray"
 _YAML_NAMESPACE = "--namespace=tierstore"
 
-_STOP_GRACE_S = 10.0
 _UP_TIMEOUT_S = 300.0
 _NODES_TIMEOUT_S = 180.0
 _JOB_TIMEOUT_S = 420.0
 _DOWN_TIMEOUT_S = 120.0
+_LEFTOVERS_TIMEOUT_S = 30.0  # reapers remove arenas at once; a loaded machine may lag
 _CLI_TIMEOUT_S = 120.0
 
 T = TypeVar("T")
-
-
-# --- the node provider the YAML names -------------------------------------------------
-
-
-def cluster_processes(scope: str) -> list[psutil.Process]:
-    """This fake cluster's processes: those whose command line names ``scope`` (its
-    Ray temp dir: every raylet, GCS and agent names its session dir) and all their
-    descendants (the workers, whose titles ``ray::NodeStore`` etc. name nothing). The
-    caller and its parents are never included."""
-    me = psutil.Process()
-    mine = {me.pid, *(p.pid for p in me.parents())}
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid in mine or not any(scope in arg for arg in proc.info["cmdline"] or []):
-            continue
-        found[proc.pid] = proc
-        try:
-            found.update((c.pid, c) for c in proc.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    return [p for pid, p in found.items() if pid not in mine]
-
-
-def _signal_and_wait(procs: list[psutil.Process], grace_s: float) -> list[psutil.Process]:
-    """SIGTERM, then after ``grace_s`` SIGKILL; returns those still alive after both."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        _, procs = psutil.wait_procs(procs, timeout=grace_s)
-        if not procs:
-            break
-    return procs
-
-
-def stop_cluster(scope: str, grace_s: float = _STOP_GRACE_S) -> list[psutil.Process]:
-    """``ray stop`` for one fake cluster: the raylets first (SIGTERM, then SIGKILL after
-    ``grace_s``; their workers exit with them), then everything else of ``scope``, the
-    GCS last, as ``ray stop`` orders them. Returns what is still alive. Blocks up to
-    about ``4 * grace_s``."""
-    procs = cluster_processes(scope)
-    raylets = [p for p in procs if _named(p, "raylet")]
-    gcs = [p for p in procs if _named(p, "gcs_server")]
-    rest = [p for p in procs if p not in raylets and p not in gcs]
-    left = []
-    for bucket in (raylets, rest, gcs):
-        left += _signal_and_wait(bucket, grace_s)
-    return left + [p for p in cluster_processes(scope) if p not in left]
-
-
-def _named(proc: psutil.Process, name: str) -> bool:
-    try:
-        return proc.name() == name or any(os.path.basename(a) == name for a in proc.cmdline()[:1])
-    except psutil.Error:
-        return False
-
-
-def _is_ray_stop(cmd: str) -> bool:
-    try:
-        words = shlex.split(cmd)
-    except ValueError:
-        return False
-    return len(words) >= 2 and os.path.basename(words[0]) == "ray" and words[1] == "stop"
-
-
-class LocalCommandRunner(CommandRunnerInterface):
-    """Runs a node's commands on this machine, as SSH would on the node: ``bash -c``
-    with the updater's environment variables exported. ``ray stop`` stops this cluster's
-    processes only (:func:`stop_cluster`), not every Ray cluster on the machine. A file
-    mount is a copy. Blocks for the command; raises ``CalledProcessError`` if it fails."""
-
-    def __init__(self, log_prefix: str, scope: str) -> None:
-        self._log_prefix = log_prefix
-        self._scope = scope
-
-    def run(  # noqa: PLR0913 - Ray's CommandRunnerInterface.run
-        self,
-        cmd: str | None = None,
-        timeout: int = 120,
-        exit_on_fail: bool = False,
-        port_forward: Any = None,
-        with_output: bool = False,
-        environment_variables: dict[str, object] | None = None,
-        run_env: str = "auto",
-        ssh_options_override_ssh_key: str = "",
-        shutdown_after_run: bool = False,
-    ) -> str:
-        if not cmd:
-            return ""
-        if _is_ray_stop(cmd):
-            left = stop_cluster(self._scope)
-            if left:
-                raise subprocess.CalledProcessError(1, cmd, f"still alive: {left}")
-            return ""
-        if environment_variables:
-            cmd = _with_environment_variables(cmd, environment_variables)
-        logger.info("%srunning locally: %s", self._log_prefix, cmd)
-        # Output to a file, never a pipe: `ray start` leaves daemons that would hold it.
-        with tempfile.TemporaryFile() as out:
-            done = subprocess.run(
-                ["bash", "-c", cmd],
-                stdout=out if with_output else None,
-                stdin=subprocess.DEVNULL,
-                timeout=timeout,
-                check=False,
-            )
-            out.seek(0)
-            text = out.read().decode(errors="replace")
-        if done.returncode != 0:
-            raise subprocess.CalledProcessError(done.returncode, cmd, text)
-        return text
-
-    def run_rsync_up(self, source: str, target: str, options: Any = None) -> None:
-        _copy(source, target)
-
-    def run_rsync_down(self, source: str, target: str, options: Any = None) -> None:
-        _copy(source, target)
-
-    def remote_shell_command_str(self) -> str:
-        return "bash"
-
-    def run_init(self, *, as_head: bool, file_mounts: dict[str, str], sync_run_yet: bool) -> None:
-        return None
-
-
-def _copy(source: str, target: str) -> None:
-    src = Path(os.path.expanduser(source.rstrip("/") or "/"))
-    dst = Path(os.path.expanduser(target.rstrip("/") or "/"))
-    if src.resolve() == dst.resolve():
-        return
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.is_dir():
-        shutil.copytree(src, dst, dirs_exist_ok=True)
-    else:
-        shutil.copy2(src, dst)
-
-
-class LocalFakeMultiNodeProvider(FakeMultiNodeProvider):
-    """Ray's fake multi-node provider (``fake_multinode``) that ``ray up`` can launch:
-    its head is this machine, set up by :class:`LocalCommandRunner`; ``ray up`` may tag
-    it and ``ray down`` terminate it (stops the cluster's processes). Worker nodes are
-    Ray's fake ones: raylets the autoscaler starts in its own process, here on
-    127.0.0.1 and in the head's temp dir.
-
-    Provider config keys besides Ray's: ``gcs_address`` (host:port, required here),
-    ``temp_dir`` (the head's ``--temp-dir``; what ``ray stop`` stops)."""
-
-    def __init__(self, provider_config: dict[str, Any], cluster_name: str) -> None:
-        os.environ.setdefault("RAY_FAKE_CLUSTER", "1")  # the base refuses to start without
-        super().__init__(provider_config, cluster_name)
-        self._scope = str(provider_config["temp_dir"])
-
-    def get_command_runner(  # noqa: PLR0913 - Ray's NodeProvider.get_command_runner
-        self,
-        log_prefix: str,
-        node_id: str,
-        auth_config: dict[str, Any],
-        cluster_name: str,
-        process_runner: Any,
-        use_internal_ip: bool,
-        docker_config: dict[str, Any] | None = None,
-    ) -> CommandRunnerInterface:
-        return LocalCommandRunner(log_prefix, self._scope)
-
-    def set_node_tags(self, node_id: str, tags: dict[str, str]) -> None:
-        with self.lock:
-            self._nodes[node_id]["tags"].update(tags)
-
-    def create_node(self, node_config: dict[str, Any], tags: dict[str, str], count: int) -> None:
-        if tags.get(TAG_RAY_NODE_KIND) == NODE_KIND_HEAD:
-            with self.lock:  # this machine: the head "exists" once `ray up` asks for it
-                self._nodes[self._head_node_id] = {"tags": dict(tags)}
-            return
-        self.create_node_with_resources_and_labels(node_config, tags, count, {}, {})
-
-    def terminate_node(self, node_id: str) -> None:
-        with self.lock:
-            if node_id != self._head_node_id:
-                super().terminate_node(node_id)
-                return
-            left = stop_cluster(self._scope)
-            if left:
-                raise RuntimeError(f"head processes still alive: {[p.pid for p in left]}")
-            self._nodes.pop(node_id, None)
-
-    def _create_node_with_resources_and_labels(
-        self,
-        node_config: dict[str, Any],
-        tags: dict[str, str],
-        count: int,
-        resources: dict[str, Any],
-        labels: dict[str, str],
-    ) -> None:
-        """As Ray's, but on 127.0.0.1 (Ray's would pick the machine's address)."""
-        import ray
-        import ray._private.ray_constants as ray_constants
-
-        resources = copy.deepcopy(resources)
-        with self.lock:
-            node_type = tags[TAG_RAY_USER_NODE_TYPE]
-            next_id = self._next_hex_node_id()
-            ray_params = ray._private.parameter.RayParams(
-                node_ip_address=LOOPBACK,
-                min_worker_port=0,
-                max_worker_port=0,
-                dashboard_port=None,
-                dashboard_agent_listen_port=0,
-                num_cpus=resources.pop("CPU", 0),
-                num_gpus=resources.pop("GPU", 0),
-                object_store_memory=resources.pop("object_store_memory", None),
-                resources=resources,
-                labels=labels,
-                redis_address=self._gcs_address,
-                gcs_address=self._gcs_address,
-                env_vars={
-                    "RAY_OVERRIDE_NODE_ID_FOR_TESTING": next_id,
-                    "RAY_CLOUD_INSTANCE_ID": next_id,
-                    "RAY_NODE_TYPE_NAME": node_type,
-                    ray_constants.RESOURCES_ENVIRONMENT_VARIABLE: json.dumps(resources),
-                    ray_constants.LABELS_ENVIRONMENT_VARIABLE: json.dumps(labels),
-                },
-            )
-            node = ray._private.node.Node(
-                ray_params, head=False, shutdown_at_exit=False, spawn_reaper=False
-            )
-            entry: dict[str, Any] = {
-                "tags": {
-                    TAG_RAY_NODE_KIND: NODE_KIND_WORKER,
-                    TAG_RAY_USER_NODE_TYPE: node_type,
-                    TAG_RAY_NODE_NAME: next_id,
-                    TAG_RAY_NODE_STATUS: STATUS_UP_TO_DATE,
-                    **tags,
-                },
-                "node": node,
-            }
-            self._nodes[next_id] = entry
-
-
-# --- the check ------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -544,6 +290,41 @@ def _remove_config_cache(root: Path) -> list[str]:
     return removed
 
 
+def arena_reapers(namespace: str) -> dict[int, str]:
+    """The arena reapers of this namespace's NodeStores, pid -> the arena each watches
+    (:mod:`tierstore.data.arena.reaper`): one per NodeStore while it lives, gone a
+    moment after it."""
+    prefix = f"tierstore-{namespace}+"
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if is_reaper(cmdline) and os.path.basename(cmdline[-1]).startswith(prefix):
+            found[proc.pid] = cmdline[-1]
+    return found
+
+
+def _leftovers(run: Run, actor_pids: dict[str, int]) -> dict[str, list[Any] | dict[str, int]]:
+    """What of the cluster and of tierstore is still there (all empty after a clean
+    ``ray down``)."""
+    return {
+        "cluster_processes": [p.pid for p in cluster_processes(str(run.temp_dir))],
+        "actor_processes": _alive(actor_pids),
+        "arena_reapers": sorted(arena_reapers(run.namespace)),
+        "arena_and_lock_files": _arena_files(run.namespace),
+    }
+
+
+def _wait_for_leftovers(run: Run, actor_pids: dict[str, int]) -> dict[str, Any]:
+    """:func:`_leftovers` once all are gone, or as they are after ``_LEFTOVERS_TIMEOUT_S``
+    (a killed NodeStore's reaper removes its arena a moment after ``ray down``)."""
+    deadline = time.monotonic() + _LEFTOVERS_TIMEOUT_S
+    while True:
+        left = _leftovers(run, actor_pids)
+        if not any(left.values()) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def _alive(pids: dict[str, int]) -> dict[str, int]:
     return {name: pid for name, pid in pids.items() if pid and psutil.pid_exists(pid)}
 
@@ -594,15 +375,13 @@ def run_check(config: Path = CONFIG, keep: bool = False) -> dict[str, Any]:
         actors = tierstore_actor_processes(str(run.temp_dir))
         actor_pids = {f"{a['title']} {pid}": pid for pid, a in actors.items()}
         summary["actor_processes"] = actors
+        summary["arena_reapers"] = arena_reapers(run.namespace)
         with _phase(timings, "ray job submit"):
             summary["job"] = _submit_bench(run)
         with _phase(timings, "ray down"):
             run.logged("ray", "down", "-y", str(run.config), timeout_s=_DOWN_TIMEOUT_S)
-        summary["cleanup"] = cleanup = {
-            "cluster_processes": [p.pid for p in cluster_processes(str(run.temp_dir))],
-            "actor_processes": _alive(actor_pids),
-            "arena_and_lock_files": _arena_files(run.namespace),
-        }
+        with _phase(timings, "after ray down, until nothing is left"):
+            summary["cleanup"] = cleanup = _wait_for_leftovers(run, actor_pids)
         summary["ok"] = not any(cleanup.values())
         summary["ray_config_cache"] = _remove_config_cache(run.root)
     except Exception as exc:
@@ -618,15 +397,18 @@ def run_check(config: Path = CONFIG, keep: bool = False) -> dict[str, Any]:
 
 def _clean_up(run: Run, actor_pids: dict[str, int], summary: dict[str, Any]) -> None:
     """Stops whatever the check left (none if it passed): the cluster's processes, actor
-    processes that outlived it, arena files; records what it removed in ``summary``."""
-    left = stop_cluster(str(run.temp_dir))
-    for name, pid in _alive(actor_pids).items():
+    processes and arena reapers that outlived it, arena files; records what it removed
+    in ``summary``."""
+    left = [p.pid for p in stop_cluster(str(run.temp_dir))]
+    reapers = {f"arena reaper {pid}": pid for pid in arena_reapers(run.namespace)}
+    for name, pid in {**_alive(actor_pids), **reapers}.items():
         logger.warning("killing %s (pid %d): it outlived its cluster", name, pid)
+        left.append(pid)
         try:
             psutil.Process(pid).kill()
         except psutil.Error:
             pass
-    summary["killed_after"] = [p.pid for p in left]
+    summary["killed_after"] = left
     summary["arena_files_removed_after"] = _remove_arena_files(run.namespace)
     summary["log_tail"] = run.log.read_text(errors="replace")[-3000:] if run.log.exists() else ""
 

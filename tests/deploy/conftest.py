@@ -3,15 +3,15 @@
 Every port is picked free (other sessions may run Ray on this machine, on the default
 ports too), and ``--temp-dir`` is private, so ``ray_current_cluster`` is written there
 and no one else's ``address="auto"`` finds this cluster. It is stopped by killing only
-its own processes (those naming its temp dir, and their children): ``ray stop`` would
-stop every Ray cluster on the machine.
+its own processes (those naming its temp dir, and their children; deploy's
+:func:`~tierstore.deploy.local_cluster.stop_cluster`, as the ``ray up`` check's fake
+cluster is): ``ray stop`` would stop every Ray cluster on the machine.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,14 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 from tierstore.actors.bootstrap import WORKER_NICENESS_ENV, ray_start_env
+from tierstore.deploy.local_cluster import stop_cluster
 
 from tests.support import LOOPBACK, free_port
 
 _START_TIMEOUT_S = 180
-_STOP_GRACE_S = 10
 
 
 @dataclass(frozen=True)
@@ -35,38 +34,6 @@ class RayHead:
     dashboard_url: str
     temp_dir: Path
     env: dict[str, str]  # for `ray` commands against it (its auth token, the venv's `python`)
-
-
-def _processes_of(temp_dir: Path) -> list[psutil.Process]:
-    """The head's daemons (they name the temp dir) and everything they started."""
-    me = psutil.Process()
-    ours = {me.pid, *(p.pid for p in me.parents())}  # a caller may name it too
-    found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid in ours:
-            continue
-        if any(str(temp_dir) in arg for arg in proc.info["cmdline"] or []):
-            found[proc.pid] = proc
-            try:
-                found.update((c.pid, c) for c in proc.children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-    return [p for pid, p in found.items() if pid not in ours]
-
-
-def stop_head(temp_dir: Path) -> list[psutil.Process]:
-    """SIGTERM, then SIGKILL, the head's processes; returns any still alive."""
-    procs = _processes_of(temp_dir)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        _, procs = psutil.wait_procs(procs, timeout=_STOP_GRACE_S)
-        if not procs:
-            break
-    return procs + _processes_of(temp_dir)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +63,6 @@ def ray_head() -> Iterator[RayHead]:
             env=env,
         )
     finally:
-        left = stop_head(temp_dir)
+        left = stop_cluster(str(temp_dir))
         shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"processes of the test's Ray head survived: {[p.pid for p in left]}"
