@@ -17,7 +17,8 @@ It holds:
 - a pidfd of the NodeStore (readable once it has exited), in case a child the
   NodeStore forked without exec keeps a copy of the pipe's write end.
 
-Once either wakes it, it removes the file only if nobody holds the file's lock, the path
+Once either wakes it, it removes the file only if nobody holds the file's lock (which
+may outlive the owner's exit a moment: waited for up to ``LOCK_WAIT_S``), the path
 still names that very file, and the file is this user's private one
 (:func:`~tierstore.data.arena.locks.unlink_if_free`): never a file a new NodeStore made
 under the same name, never one a live process holds, never a file tierstore did not
@@ -39,11 +40,12 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tierstore.data.arena.locks import unlink_if_free
+from tierstore.data.arena.locks import lock_is_free, unlink_if_free
 
 if TYPE_CHECKING:  # not imported at run time: the reaper process starts light
     from tierstore.wire import RegionInfo
@@ -52,6 +54,13 @@ MODULE = __name__  # the reaper's command line: python -m MODULE PID RELEASE_FD 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 # The launcher only forks the reaper and exits (well under a second); reaped by a thread.
 _LAUNCH_TIMEOUT_S = 60.0
+# The owner's lock may outlive its exit a moment: the lock goes with the last reference to
+# the owner's open file, which its mapping also holds, and a process reading the owner's
+# /proc entries (psutil, Ray's agent) may drop the owner's memory, and with it the
+# mapping, after the owner's exit was signalled. Seen once in the ray up check. A lock
+# held past this is a live holder's (a child the owner forked): the file is left.
+LOCK_WAIT_S = 30.0
+_LOCK_POLL_S = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -153,19 +162,41 @@ def wait_for_owner(pid: int, release_fd: int | None) -> None:
             os.close(pidfd)
 
 
-def reap(pid: int, release_fd: int | None, fd: int, path: Path) -> bool:
+def reap(
+    pid: int, release_fd: int | None, fd: int, path: Path, lock_wait_s: float = LOCK_WAIT_S
+) -> bool:
     """Block until the owner ``pid`` is gone or released the reaper
     (:func:`wait_for_owner`), then unlink ``path`` if it still names the file ``fd`` is
-    open on, nobody holds that file's lock and it is this user's private file. Returns
-    whether it was removed; closes ``fd`` and ``release_fd``."""
+    open on, nobody holds that file's lock (a held lock is waited for up to
+    ``lock_wait_s``) and it is this user's private file. Returns whether it was removed;
+    closes ``fd`` and ``release_fd``."""
     try:
         wait_for_owner(pid, release_fd)
-        held = os.fstat(fd)
-        return unlink_if_free(path, held)
+        return _remove_once_free(os.fstat(fd), path, lock_wait_s)
     finally:
         os.close(fd)
         if release_fd is not None:
             os.close(release_fd)
+
+
+def _remove_once_free(held: os.stat_result, path: Path, wait_s: float) -> bool:
+    """:func:`unlink_if_free` of ``path`` (the file ``held``), tried again while the path
+    still names that file and its lock stays held, up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while not unlink_if_free(path, held):
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            return False  # unlinked in order, or by a sweep
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            return False  # another file took the name
+        if lock_is_free(path):  # free, yet refused: not a private file of ours
+            return unlink_if_free(path, held)  # (or freed just now)
+        if time.monotonic() >= deadline:
+            logger.warning("left %s: its lock is still held after %g s", path, wait_s)
+            return False
+        time.sleep(_LOCK_POLL_S)
+    return True
 
 
 def is_reaper(cmdline: Sequence[str], path: str | None = None) -> bool:
