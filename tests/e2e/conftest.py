@@ -8,9 +8,7 @@ import os
 import re
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,85 +36,14 @@ _GROUP_SIZES_LOG = re.compile(r"kv cache group sizes \(([\d, ]+)\)")
 class EngineRun(list):
     """One engine's passes (a list of pass dicts), with what vLLM reported about its KV cache."""
 
-    def __init__(
-        self, passes: list[dict[str, Any]], block_size: int, log: str | Callable[[], str]
-    ) -> None:
+    def __init__(self, passes: list[dict[str, Any]], block_size: int, log: str) -> None:
         super().__init__(passes)
         self.block_size = block_size  # the scheduler's, after vLLM's adjustments
-        self._log = log
-
-    @property
-    def log(self) -> str:
-        """The engine processes' stdout and stderr; waits for the engine's exit (and raises
-        if it failed) where it has not exited yet."""
-        if callable(self._log):
-            self._log = self._log()
-        return self._log
+        self.log = log  # the engine processes' stdout and stderr
 
     def subset(self, *indices: int) -> EngineRun:
         """Some of the passes, with the same engine facts."""
-        return EngineRun([self[i] for i in indices], self.block_size, self._log)
-
-
-class _EngineProcess:
-    """One ``tests.e2e.run_engine`` process. Its passes are read as soon as it has written
-    them; its exit (vLLM's and tierstore's shutdown: several seconds) is waited for later,
-    by ``wait``, which raises if the process failed: a run fails the same as before, only
-    its exit overlaps what follows (the next engine's start)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], out: Path, args_text: str) -> None:
-        self._out = out
-        self._proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self._exited: Future[tuple[str, str]] = Future()
-        threading.Thread(
-            target=self._collect, args=(args_text,), name=f"engine-{out.stem}", daemon=True
-        ).start()
-
-    def _collect(self, args_text: str) -> None:
-        """Reads the output until the process exits (killed past the deadline)."""
-        try:
-            try:
-                stdout, stderr = self._proc.communicate(timeout=_ENGINE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                stdout, stderr = self._proc.communicate()
-                stderr += f"\nkilled after {_ENGINE_TIMEOUT_S} s"
-            log = stdout + stderr
-            self._out.with_suffix(".log").write_text(f"{args_text}\n{log}")  # for post-mortems
-            self._exited.set_result((stdout, stderr))
-        except BaseException as exc:  # the waiter raises it
-            self._exited.set_exception(exc)
-
-    def passes(self) -> dict[str, Any]:
-        """Blocks until the process has written its passes, or has exited (raises if it
-        failed)."""
-        while not self._exited.done():
-            try:
-                return json.loads(self._out.read_text())  # written whole: parsed, it is all
-            except (FileNotFoundError, json.JSONDecodeError):
-                wait([self._exited], timeout=0.2)
-        self.wait()
-        return json.loads(self._out.read_text())
-
-    def wait(self) -> str:
-        """Blocks until the process has exited; its output. Raises if it failed."""
-        stdout, stderr = self._exited.result()
-        if self._proc.returncode != 0:
-            raise AssertionError(
-                f"engine run {self._out.stem} failed ({self._proc.returncode}):\n"
-                f"{stdout[-4000:]}\n{stderr[-8000:]}"
-            )
-        return stdout + stderr
-
-    def stop(self) -> None:
-        """Ends the process (vLLM's shutdown takes its own processes down with it) and
-        blocks until it has exited."""
-        self._proc.terminate()
-        if wait([self._exited], timeout=60).not_done:
-            self._proc.kill()
-        wait([self._exited])
+        return EngineRun([self[i] for i in indices], self.block_size, self.log)
 
     @property
     def group_block_sizes(self) -> tuple[int, ...]:
@@ -154,14 +81,10 @@ def ray_cluster() -> Iterator[str]:
 @pytest.fixture(scope="package")
 def run_engine(
     ray_cluster: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[..., EngineRun]]:
-    """Run one engine's passes in a fresh process; returns the passes as dicts once the
-    process has written them. Its exit is waited for (and a failed one raises) when the
-    next run has started, or at once for a run on another cluster (``ray_address``: the
-    caller may stop that cluster next), or when its ``log`` is read, or at teardown."""
+) -> Callable[..., EngineRun]:
+    """Run one engine's passes in a fresh process; returns the passes as dicts."""
     out_dir = tmp_path_factory.mktemp("engine-runs")
     counter = iter(range(1_000_000))
-    exiting: list[_EngineProcess] = []  # passes written, exit not yet waited for
 
     def run(
         engine: dict[str, Any],
@@ -180,28 +103,25 @@ def run_engine(
         )
         env.update(extra_env or {})
         args = {"engine": engine, "prompts": prompts, "n_passes": n_passes, **kw}
-        proc = _EngineProcess(
+        proc = subprocess.run(
             [sys.executable, "-m", "tests.e2e.run_engine", json.dumps(args), str(out)],
-            env,
-            out,
-            json.dumps(args)[:2000],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_ENGINE_TIMEOUT_S,
         )
-        try:
-            while exiting:  # earlier engines' exits, beside this one's start
-                exiting.pop().wait()
-            result = proc.passes()
-            if ray_address is not None:
-                proc.wait()
-            else:
-                exiting.append(proc)
-        except BaseException:
-            proc.stop()
-            raise
-        return EngineRun(result["passes"], result["block_size"], proc.wait)
+        log = proc.stdout + proc.stderr
+        out.with_suffix(".log").write_text(f"{json.dumps(args)[:2000]}\n{log}")  # for post-mortems
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"engine run failed ({proc.returncode}):\n"
+                f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            )
+        result = json.loads(out.read_text())
+        return EngineRun(result["passes"], result["block_size"], log)
 
-    yield run
-    while exiting:
-        exiting.pop().wait()
+    return run
 
 
 def tierstore_extra(**overrides: Any) -> dict[str, Any]:
