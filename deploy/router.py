@@ -269,6 +269,8 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return holders_of(value)
         except Exception as exc:  # a timeout, a missing or failing Evictor: Ray's default
             logger.warning("tierstore's index did not answer (%r): routing by load", exc)
+            # Its handle is looked up again next time: a restarted Evictor is a new actor.
+            self._evictors.pop(shard, None)
             return None
 
     async def _evictor(self, shard: int) -> EvictorClient:
