@@ -19,7 +19,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import pytest
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from tierstore.data.arena.region import RegionInfo
+    from tierstore.keys import ChunkKey
+    from tierstore.wire import ShardEntry
 
 T = TypeVar("T")
 
@@ -41,6 +45,25 @@ FAST_HEALTH_CHECKS = {
 # (controlplane benchmark under full load: p50 156 ms), which would turn hits into
 # correct but unasserted recomputes. The deadline itself: tests/vllm/test_lookup_deadline.py.
 E2E_LOOKUP_TIMEOUT_MS = 10_000.0
+
+
+def chain_entries(keys: list[ChunkKey], payload: np.ndarray, chunk_bytes: int) -> list[ShardEntry]:
+    """The entries a worker stores for a chain of one-group chunks laid out back to back
+    in ``payload`` (rank 0's shard of each, each naming its parent)."""
+    from tierstore.data.checksum import digest
+    from tierstore.wire import ShardEntry
+
+    return [
+        ShardEntry(
+            key,
+            i * chunk_bytes,
+            chunk_bytes,
+            digest(payload[i * chunk_bytes : (i + 1) * chunk_bytes]),
+            1,
+            keys[i - 1] if i else None,
+        )
+        for i, key in enumerate(keys)
+    ]
 
 
 class Answered(Generic[T]):

@@ -26,15 +26,14 @@ from tierstore.actors.bootstrap import (
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.support import simulated_cluster, wait_for
+from tests.support import chain_entries, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.spec import connect_worker
 from tierstore.vllm.transfer_specs import LoadSpec
 from tierstore.vllm.worker import TierStoreWorker
-from tierstore.wire import LookupState, ShardEntry
+from tierstore.wire import LookupState
 
 NAMESPACE = "tierstore-pull-tests"
 NS = Namespace("9a11")
@@ -82,17 +81,7 @@ def two_nodes() -> Iterator[dict[str, Any]]:
 def _store_on_a(env: dict[str, Any], keys: list[ChunkKey], seed: int) -> np.ndarray:
     """The prompt's chunks held on node A, stored as a worker on A stores them."""
     payload = np.random.default_rng(seed).integers(0, 255, CHUNK_BYTES * len(keys), np.uint8)
-    entries = [
-        ShardEntry(
-            key,
-            i * CHUNK_BYTES,
-            CHUNK_BYTES,
-            digest(payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]),
-            1,
-            keys[i - 1] if i else None,
-        )
-        for i, key in enumerate(keys)
-    ]
+    entries = chain_entries(keys, payload, CHUNK_BYTES)
     assert env["store_a"].store(NS, 0, 1, entries, payload).result() == len(keys)
     return payload
 

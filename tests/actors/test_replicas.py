@@ -24,15 +24,14 @@ from tierstore.actors.bootstrap import (
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-from tests.support import simulated_cluster, wait_for
+from tests.support import chain_entries, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.data.checksum import digest
 from tierstore.data.layout import ChunkLayout
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, NodeId
 from tierstore.spec import connect_worker
 from tierstore.vllm.transfer_specs import LoadSpec
-from tierstore.wire import LookupState, ShardEntry
+from tierstore.wire import LookupState
 
 NAMESPACE = "tierstore-replica-tests"
 NS = Namespace("7e9a")
@@ -72,17 +71,7 @@ def test_a_node_that_keeps_loading_a_chunk_gets_a_verified_copy_that_outlives_th
 
     # Node A holds three chunks (a chain), stored the way a worker on A stores them.
     payload = np.random.default_rng(0).integers(0, 255, CHUNK_BYTES * len(KEYS), dtype=np.uint8)
-    entries = [
-        ShardEntry(
-            key,
-            i * CHUNK_BYTES,
-            CHUNK_BYTES,
-            digest(payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]),
-            1,
-            KEYS[i - 1] if i else None,
-        )
-        for i, key in enumerate(KEYS)
-    ]
+    entries = chain_entries(KEYS, payload, CHUNK_BYTES)
     store_a = NodeStoreClient(find_node_store(NAMESPACE, a), a)
     assert store_a.store(NS, 0, 1, entries, payload).result() == len(KEYS)
 

@@ -40,11 +40,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
-from tests.support import FAST_HEALTH_CHECKS, LOOPBACK, free_port, wait_for
+from tests.support import FAST_HEALTH_CHECKS, LOOPBACK, chain_entries, free_port, wait_for
 from tierstore.config import TierStoreConfig
-from tierstore.data.checksum import digest
 from tierstore.keys import ChunkKey, Namespace
-from tierstore.wire import ShardEntry
 
 NAMESPACE = "tierstore-router-tests"
 NS = Namespace("70a7e4")
@@ -156,17 +154,7 @@ def _engine_keys(prompt: list[int]) -> list[ChunkKey]:
 def _store(env: dict[str, Any], node: str, keys: list[ChunkKey]) -> None:
     """``keys``' chunks held by ``node``'s NodeStore, as a worker there stores them."""
     payload = env["rng"].integers(0, 255, CHUNK_BYTES * len(keys), np.uint8)
-    entries = [
-        ShardEntry(
-            key,
-            i * CHUNK_BYTES,
-            CHUNK_BYTES,
-            digest(payload[i * CHUNK_BYTES : (i + 1) * CHUNK_BYTES]),
-            1,
-            keys[i - 1] if i else None,
-        )
-        for i, key in enumerate(keys)
-    ]
+    entries = chain_entries(keys, payload, CHUNK_BYTES)
     assert env["stores"][node].store(NS, 0, 1, entries, payload).result() == len(keys)
 
 
