@@ -9,9 +9,10 @@ session is already a driver of another cluster, and a process joins only one).
    A's NodeStore, through the object store. It runs HOT twice: HOT is hot now, and node
    B gets its own copy, which serves B's third run of HOT.
 3. Node A is removed while engine B runs (with the Evictor, if Ray placed it there: it
-   then restarts elsewhere); once the Evictor has forgotten node A, engine B
-   runs PROMPT again (a miss, recomputed), then once more (a hit, now from node B). HOT
-   hits at once: its copy on B outlived A.
+   then restarts elsewhere); once every Evictor shard has forgotten node A (each on its
+   own reconcile: one that still knows A answers a HIT whose load fails and recomputes),
+   engine B runs PROMPT again (a miss, recomputed), then once more (a hit, now from node
+   B). HOT hits at once: its copy on B outlived A.
 4. Every Evictor shard is killed (Ray restarts them) and engine B serves PROMPT at once,
    while the index is rebuilt; once it is, PROMPT hits again.
 
@@ -56,7 +57,7 @@ def _node_store_stats(node_id: str) -> dict[str, Any]:
 
 def _status() -> dict[str, Any]:
     """The Evictor shards' statuses as one: counters and chunks summed, the nodes every
-    shard knows."""
+    shard knows (``nodes``) and those some shard knows (``known_anywhere``)."""
     statuses = [ray.get(h.status.remote(), timeout=10) for h in get_or_create_evictors(CFG)]
     totals: dict[str, int] = {}
     for status in statuses:
@@ -66,6 +67,7 @@ def _status() -> dict[str, Any]:
         "totals": totals,
         "chunks": sum(status["chunks"] for status in statuses),
         "nodes": set.intersection(*(set(status["nodes"]) for status in statuses)),
+        "known_anywhere": set.union(*(set(status["nodes"]) for status in statuses)),
     }
 
 
@@ -134,7 +136,7 @@ def main(model: str, out_path: str) -> None:
         # The Evictor may have lived on node A: then it restarts elsewhere, and its index
         # is whole again once node B has re-registered with it.
         facts["forget_s"] = _wait_for(
-            lambda s: node_a.node_id not in s["nodes"] and node_b.node_id in s["nodes"],
+            lambda s: node_a.node_id not in s["known_anywhere"] and node_b.node_id in s["nodes"],
             "every Evictor shard forgets node A and knows node B",
         )
         facts["status_nodes"] = [n["node_id"] for n in collect_status(NAMESPACE)["nodes"]]
