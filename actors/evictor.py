@@ -78,6 +78,8 @@ class Evictor:
         )
         self._events = EventLog()
         self._store_ids: dict[NodeId, str] = {}  # node -> the NodeStore that registered it
+        # node -> its NodeStore's client, looked up once per registration (``_node_store``)
+        self._stores: dict[NodeId, NodeStoreClient] = {}
         # Each node's pressure (shards evicted, demoted or refused by its stores) and this
         # shard's calls asked of it (lookups, admits), counted from the start: a NodeStore
         # rebalancing this shard's share of its node reads their growth (node_load).
@@ -146,6 +148,7 @@ class Evictor:
         memory died with it: forget it now, so no lookup promises it; the new one offers
         its disk copies next."""
         node = NodeId(node_id)
+        self._stores.pop(node, None)  # a NodeStore (re)registering: look its handle up anew
         if store_id is not None:
             previous = self._store_ids.get(node)
             if previous not in (None, store_id) and node in self._index.nodes():
@@ -256,9 +259,11 @@ class Evictor:
         ]
         if not pulls:
             return
+        store = self._node_store(node)
         try:
-            store = ray.get_actor(node_store_name(node), namespace=self._namespace)
-            NodeStoreClient(store, node).pull(pulls)  # one-way
+            if store is None:
+                raise ValueError("no NodeStore is named for it")
+            store.pull(pulls)  # one-way
         except Exception as exc:  # no NodeStore there (yet), or Ray refused: room back
             logger.warning("node %s's copies are not pulled: %s", node, exc)
             self._send(self._index.replicated(node, [], [s for s, _ in pulls]))
@@ -397,6 +402,7 @@ class Evictor:
 
     def forget_node(self, node_id: str) -> None:
         self._store_ids.pop(NodeId(node_id), None)
+        self._stores.pop(NodeId(node_id), None)
         self._pressure.pop(NodeId(node_id), None)
         self._events.record_held(NodeId(node_id), True, self._index.shards_on(NodeId(node_id)))
         self._send(self._index.forget_node(NodeId(node_id)))
@@ -472,13 +478,26 @@ class Evictor:
                 continue
             if not node_actions:
                 continue
-            try:
-                store = ray.get_actor(node_store_name(node), namespace=self._namespace)
-            except ValueError:
+            store = self._node_store(node)
+            if store is None:
                 logger.warning("no NodeStore for node %s; its actions are lost", node)
                 continue
-            NodeStoreClient(store, node).apply(node_actions)  # one-way
+            store.apply(node_actions)  # one-way
         return own
+
+    def _node_store(self, node: NodeId) -> NodeStoreClient | None:
+        """``node``'s NodeStore, or None when none is named: the handle is looked up in
+        Ray's GCS once per registration (a round trip per call otherwise; a lookup that
+        starts pulls and every action sent used to pay it). A NodeStore that restarts
+        registers again, which drops the old handle."""
+        store = self._stores.get(node)
+        if store is None:
+            try:
+                handle = ray.get_actor(node_store_name(node), namespace=self._namespace)
+            except ValueError:
+                return None
+            store = self._stores[node] = NodeStoreClient(handle, node)
+        return store
 
     def _record_actions(self, node: NodeId, actions: NodeActions) -> None:
         """Promotions are recorded when done (``promoted``): they may fail."""
