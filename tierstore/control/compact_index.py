@@ -66,7 +66,7 @@ from tierstore.control.index import (
     UnitOffer,
     Watermarks,
 )
-from tierstore.control.index_model import RemoteLoads
+from tierstore.control.index_model import RemoteLoads, count_hit_places
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
@@ -256,6 +256,7 @@ class CompactChunkIndex:
             namespace, list(keys), holder, float(now), float(lease_ttl_s), node
         )
         self._sync()
+        count_hit_places(self.stats, answers, node)
         return answers, self._actions(raw)
 
     def extend_leases(

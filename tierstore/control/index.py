@@ -69,6 +69,7 @@ from tierstore.control.index_model import (
     UnitId,
     UnitOffer,
     Watermarks,
+    count_hit_places,
     valid_offer,
 )
 from tierstore.control.index_replicas import ReplicasMixin
@@ -392,6 +393,7 @@ class ChunkIndex(ReplicasMixin, RoomMixin, LeasesMixin, CandidatesMixin, TreeMix
             self._lease(cid, holder, now + lease_ttl_s)
             self._touch(uid)
             answers.append(self._answer(uid, chunk, node, protected, now, actions))
+        count_hit_places(self.stats, answers, node)
         return answers, dict(actions)
 
     def _answer(

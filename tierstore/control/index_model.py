@@ -152,6 +152,11 @@ class IndexStats:
     loaded_chunks: int = 0
     hits: int = 0
     misses: int = 0
+    # HITs of lookups that named the asking node, by where the chunk is read from: every
+    # rank on that node (its own copy or a complete replica), or some rank elsewhere
+    # (crosses nodes: the load, or the pull the lookup starts).
+    hits_same_node: int = 0
+    hits_other_node: int = 0
     evicted_chunks: int = 0  # dropped for room (from any tier)
     demoted_shards: int = 0
     promoted_shards: int = 0
@@ -183,3 +188,16 @@ def valid_offer(offer: ShardOffer) -> bool:
         return True
     logger.warning("refusing shard of rank %d in a world of %d", offer.rank, offer.world_size)
     return False
+
+
+def count_hit_places(stats: IndexStats, answers: list[LookupAnswer], node: NodeId | None) -> None:
+    """Adds ``answers``' HITs to ``stats.hits_same_node`` / ``hits_other_node`` by
+    whether every rank's bytes are on ``node`` (the asking engine's); nothing without it."""
+    if node is None:
+        return
+    for answer in answers:
+        if answer.state is LookupState.HIT and answer.where:
+            if all(held == node for held in answer.where.values()):
+                stats.hits_same_node += 1
+            else:
+                stats.hits_other_node += 1
