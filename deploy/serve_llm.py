@@ -120,6 +120,18 @@ def llm_config(
     )
 
 
+def replica_nodes() -> list[str]:
+    """The node of each running Serve LLM replica (its placement group's bundles'
+    nodes), sorted per replica. Needs this process connected to Ray; one GCS call."""
+    import ray
+
+    nodes = []
+    for table in ray.util.placement_group_table().values():
+        if table["state"] == "CREATED" and table["name"].startswith("SERVE_REPLICA"):
+            nodes.append(sorted(set(table["bundles_to_node_id"].values())))
+    return [node for group in nodes for node in group]
+
+
 def openai_app(configs: list[LLMConfig], **ingress: Any) -> Any:
     """The OpenAI-compatible app (``/v1/completions``, ``/v1/chat/completions``,
     ``/v1/models``) over ``configs``: Ray Serve LLM's ``build_openai_app``. Returns a

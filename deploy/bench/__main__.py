@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "transport": "tierstore.deploy.bench.transport",
     "longdoc": "tierstore.deploy.bench.standard",
     "multiround": "tierstore.deploy.bench.standard",
+    "router": "tierstore.deploy.bench.router",
 }
 # Benchmarks that run vLLM engines: their files are named NAME-MODEL.
 _PER_MODEL = ("e2e", "e2e_hits", "longdoc", "multiround")

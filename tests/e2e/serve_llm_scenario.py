@@ -32,7 +32,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 from tierstore.deploy.cli import collect_status
-from tierstore.deploy.serve_llm import llm_config, openai_app
+from tierstore.deploy.serve_llm import llm_config, openai_app, replica_nodes
 
 from tests.e2e.conftest import PROMPT
 from tests.support import E2E_LOOKUP_TIMEOUT_MS, FAST_HEALTH_CHECKS, LOOPBACK, free_port, poll
@@ -113,15 +113,6 @@ def _totals() -> dict[str, int]:
     return dict(collect_status(NAMESPACE)["totals"])
 
 
-def _replica_nodes() -> list[str]:
-    """The node of each running Serve LLM replica (its placement group's bundles)."""
-    nodes = []
-    for table in ray.util.placement_group_table().values():
-        if table["state"] == "CREATED" and table["name"].startswith("SERVE_REPLICA"):
-            nodes.append(sorted(set(table["bundles_to_node_id"].values())))
-    return [node for group in nodes for node in group]
-
-
 def _tries_until(step: Callable[[int], bool]) -> int:
     for attempt in range(1, MAX_TRIES + 1):
         if step(attempt):
@@ -157,7 +148,7 @@ def main(model: str, out: Path) -> None:
         serve.start(http_options={"host": LOOPBACK, "port": port})
         serve.run(_app(model, cluster.address), name="llm", route_prefix="/")
         facts["ready_s"] = time.monotonic() - started
-        facts["replica_nodes"] = _replica_nodes()
+        facts["replica_nodes"] = replica_nodes()
         save()
         client = OpenAI(
             base_url=f"http://{LOOPBACK}:{port}/v1",
