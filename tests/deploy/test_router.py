@@ -40,7 +40,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import Request
 
-from tests.support import FAST_HEALTH_CHECKS, LOOPBACK, chain_entries, free_port, wait_for
+from tests.support import LOOPBACK, chain_entries, free_port, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.keys import ChunkKey, Namespace
 
@@ -86,7 +86,6 @@ def env() -> Iterator[dict[str, Any]]:
         head_node_args={
             "num_cpus": 0,
             "node_ip_address": LOOPBACK,
-            "_system_config": FAST_HEALTH_CHECKS,
         },
     )
     a, b = (

@@ -35,7 +35,7 @@ from tierstore.deploy.cli import collect_status
 from tierstore.deploy.serve_llm import llm_config, openai_app, replica_nodes
 
 from tests.e2e.conftest import PROMPT
-from tests.support import E2E_LOOKUP_TIMEOUT_MS, FAST_HEALTH_CHECKS, LOOPBACK, free_port, poll
+from tests.support import E2E_LOOKUP_TIMEOUT_MS, LOOPBACK, free_port, poll
 
 NAMESPACE = "tierstore-serve-llm"
 BLOCK = 32
@@ -133,7 +133,6 @@ def main(model: str, out: Path) -> None:
         head_node_args={
             "num_cpus": 1,
             "node_ip_address": LOOPBACK,
-            "_system_config": FAST_HEALTH_CHECKS,
         },
     )
     gpus = 1 if _cuda() else 0
