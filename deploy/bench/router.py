@@ -35,11 +35,22 @@ workload): lookup HITs whose every rank's bytes were on the asking engine's node
 (``hits_same_node``) or not (``hits_other_node``: loaded from another node, or pulled
 here at lookup time), and chunks loaded. The replicas' placement (which node) is
 recorded; which replica served each request is not (the OpenAI response does not say).
+
+On this simulated cluster the same-node share says nothing about routing: the replicas
+are placed on the two raylets, but their vLLM engines run in processes vLLM starts outside
+Ray (the CPU build's multiprocessing executor), and each joins the cluster as a driver;
+Ray attaches a driver to the head's raylet when several share a host
+(``get_node_to_connect_for_driver``). tierstore then sees both engines on the head node:
+every chunk is stored and loaded there (``loaded_shards_by_node``), every HIT is
+"same-node", and TierAwareRouter, which compares holders with the replicas' own nodes,
+finds no prefix on either replica's node and ranks by the device prefix it routed, then
+load. On real machines (one raylet per host) each engine joins its own host's raylet.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -145,7 +156,9 @@ def _router_config(name: str, chunk_namespace: str | None, ray_ns: str, s: dict[
     kwargs: dict[str, Any] = {}
     if name == "tier_aware":
         if chunk_namespace is None:
-            raise RuntimeError("tier_aware needs the engines' chunk namespace (an earlier run's)")
+            raise RuntimeError(
+                "tier_aware needs the engines' chunk namespace: the earlier runs stored nothing"
+            )
         kwargs = {
             "namespace": chunk_namespace,
             "block_size": BLOCK,
@@ -172,6 +185,9 @@ def _app(model: Path, name: str, chunk_ns: str | None, ray_ns: str, s: dict[str,
         cpu=True,
         engine_kwargs=_engine_kwargs(s),
         runtime_env={"env_vars": env},
+        # Stream each token as it comes: Ray Serve LLM batches a stream's chunks every
+        # 50 ms by default, which would round every TTFT up to that grid.
+        experimental_configs={"stream_batching_interval_ms": 0},
         deployment_config={
             "num_replicas": 2,
             "request_router_config": _router_config(name, chunk_ns, ray_ns, s),
@@ -270,15 +286,24 @@ def _node_loads(ray_ns: str) -> dict[str, int]:
     }
 
 
-def _chunk_namespace(ray_ns: str, node_ids: list[str]) -> str | None:
-    """The chunk namespace the engines stored under (a NodeStore's inventory)."""
+def _chunk_namespace(ray_ns: str) -> str | None:
+    """The chunk namespace the engines stored under: any chunk the Evictor's index or a
+    NodeStore holds (None: nothing is stored)."""
     import ray
     from tierstore.actors.bootstrap import find_node_store
+    from tierstore.actors.names import evictor_name
 
-    for node in node_ids:
-        held: Any = ray.get(find_node_store(ray_ns, node).inventory.remote(), timeout=30)
-        for shard_id, _tier in held:
-            return str(shard_id.namespace)
+    nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    evictor = ray.get_actor(evictor_name(0), namespace=ray_ns)
+    for node in nodes:
+        views: Any = [ray.get(evictor.index_view.remote(node), timeout=30)]
+        try:
+            views.append(ray.get(find_node_store(ray_ns, node).inventory.remote(), timeout=30))
+        except Exception as exc:  # a node without a NodeStore (the head may have none)
+            logger.info("no NodeStore inventory from %s: %r", node, exc)
+        for held in views:
+            for shard_id, _tier in held:
+                return str(shard_id.namespace)
     return None
 
 
@@ -341,7 +366,7 @@ def _one_router(
         workload_s = time.monotonic() - ran
         time.sleep(_SETTLE_S)
         after, loads_after = _totals(ray_ns), _node_loads(ray_ns)
-        found = _chunk_namespace(ray_ns, sorted(set(placed))) if chunk_ns is None else chunk_ns
+        found = _chunk_namespace(ray_ns) if chunk_ns is None else chunk_ns
     finally:
         serve.delete("llm")
         shutdown_actors(ray_ns)
@@ -432,6 +457,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in ROUTERS:
             results[name], found = _one_router(name, model, chunk_ns, s, port, run_id)
             chunk_ns = chunk_ns or found
+            # Kept as they come: a later router's failure leaves the earlier runs.
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "router-partial.json").write_text(json.dumps(results, indent=1))
     finally:
         serve.shutdown()
         ray.shutdown()
