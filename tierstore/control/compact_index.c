@@ -314,13 +314,22 @@ static PyObject *replica_answer(Core *c, uint32_t ci, uint32_t node) {
     return a;
 }
 
-/* lookup(namespace, keys, holder, now, ttl, node): node None, or the asking engine's. */
+/* Whether every rank of chunk ``ci`` is held on node ``node``. */
+static int all_on(Core *c, uint32_t ci, uint32_t node) {
+    for (uint32_t r = 0; r < c->chunks[ci].world; r++)
+        if (SHARD(c, &c->chunks[ci], r)->node != node) return 0;
+    return 1;
+}
+
+/* lookup(namespace, keys, holder, now, ttl, node): node None, or the asking engine's
+ * (then its HITs are counted by place: every rank on that node, or some elsewhere). */
 static PyObject *Core_lookup(Core *c, PyObject *args) {
     PyObject *ns_obj, *keys, *holder, *node_obj; double now, ttl;
     if (!PyArg_ParseTuple(args, "OO!OddO", &ns_obj, &PyList_Type, &keys, &holder, &now, &ttl, &node_obj)) return NULL;
     long ns = ns_of(c, ns_obj, 1);
     long hid = holder_of(c, holder, 1);
-    long asking = node_obj == Py_None ? -1 : node_of(c, node_obj, 0);
+    long asking = node_obj == Py_None ? -1 : node_of(c, node_obj, 0); /* -1: not known */
+    int placed = node_obj != Py_None;
     if (ns < 0 || hid < 0 || PyErr_Occurred()) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
     uint64_t *hs = PyMem_RawMalloc((n + 1) * sizeof(uint64_t)); /* the keys' (their boundaries') */
@@ -351,8 +360,11 @@ static PyObject *Core_lookup(Core *c, PyObject *args) {
             if (r != NIL && replica_ready(c, r)) {
                 touch_replica(c, r);
                 a = replica_answer(c, ci, (uint32_t)asking);
+                if (a) c->counts[C_HITS_SAME_NODE]++;
             } else {
                 a = answer(c, u, ci, &p, now);
+                if (a && a != c->pending_answer && placed)
+                    c->counts[asking >= 0 && all_on(c, ci, (uint32_t)asking) ? C_HITS_SAME_NODE : C_HITS_OTHER_NODE]++;
             }
             if (!a) goto fail;
         }

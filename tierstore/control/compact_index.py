@@ -66,7 +66,7 @@ from tierstore.control.index import (
     UnitOffer,
     Watermarks,
 )
-from tierstore.control.index_model import RemoteLoads, count_hit_places
+from tierstore.control.index_model import RemoteLoads
 from tierstore.errors import UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 
@@ -92,6 +92,8 @@ _CORE_COUNTS = (
     "admit_calls",
     "admitted_units",
     "replicated_chunks",
+    "hits_same_node",
+    "hits_other_node",
 )
 
 
@@ -256,7 +258,6 @@ class CompactChunkIndex:
             namespace, list(keys), holder, float(now), float(lease_ttl_s), node
         )
         self._sync()
-        count_hit_places(self.stats, answers, node)
         return answers, self._actions(raw)
 
     def extend_leases(
