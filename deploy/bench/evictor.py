@@ -90,8 +90,8 @@ def _lookups(
     ops: dict[str, float],
 ) -> float:
     """Lookups of requests still in memory (the latest quarter), each leased and released
-    as an engine does between its HIT and its load: their rates into ``ops``; the hit
-    ratio returned."""
+    as an engine does between its HIT and its load, asked from a node as an engine's are
+    (HITs counted by place): their rates into ``ops``; the hit ratio returned."""
     lookups = min(n // 4, 200_000) // CHAIN
     starts = [rng.randrange(n - n // 4, n - CHAIN, CHAIN) for _ in range(lookups)]
     requests = [[_key(i, key_bytes) for i in range(start, start + CHAIN)] for start in starts]
@@ -99,7 +99,7 @@ def _lookups(
     looking = releasing = 0.0
     for keys in requests:
         started = time.perf_counter()
-        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S)
+        answers, _ = index.lookup(NS, keys, "engine", 1.0, LEASE_S, NODES[0])
         looked = time.perf_counter()
         index.release(NS, keys, "engine")
         looking += looked - started
