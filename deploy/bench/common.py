@@ -1,12 +1,16 @@
-"""What the benchmarks share: joining Ray (a job's cluster, else a private one), percentiles."""
+"""What the benchmarks share: joining Ray (a job's cluster, else a private one), a
+streamed OpenAI completion, percentiles."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,69 @@ def ray_session(namespace: str) -> Iterator[str]:
         shutdown_actors(namespace)
         if started_here:
             ray.shutdown()
+
+
+@dataclass
+class Streamed:
+    """One streamed completion as the client saw it."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # empty unless asked for
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details; 0 where the server sends none
+    ttft_s: float = 0.0  # to the first chunk that carries a token
+    latency_s: float = 0.0  # to the stream's end
+
+
+def stream_completion(
+    client: Any,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    logprobs: bool = False,
+    timeout_s: float | None = None,
+) -> Streamed:
+    """One greedy completion of token ids over the OpenAI API (``client``: an
+    ``openai.OpenAI``), streamed with usage, ``ignore_eos``, token ids returned. Blocks
+    the calling thread until the stream ends, at most ``timeout_s`` per HTTP read where
+    given; raises on any client error and when the stream did not carry ``max_tokens``
+    tokens."""
+    started = time.perf_counter()
+    extra: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        extra["return_tokens_as_token_ids"] = True
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **({"logprobs": 0} if logprobs else {}),
+        **({"timeout": timeout_s} if timeout_s is not None else {}),
+    )
+    out = Streamed(prompt_tokens=len(prompt))
+    first: float | None = None
+    for chunk in stream:
+        for choice in chunk.choices or []:
+            ids = getattr(choice, "token_ids", None) or []
+            if ids and first is None:
+                first = time.perf_counter()
+            out.tokens += ids
+            if choice.logprobs is not None and choice.logprobs.token_logprobs:
+                out.logprobs += choice.logprobs.token_logprobs
+        if chunk.usage is not None:
+            out.prompt_tokens = chunk.usage.prompt_tokens
+            details = chunk.usage.prompt_tokens_details
+            out.cached_tokens = (details.cached_tokens or 0) if details else 0
+    ended = time.perf_counter()
+    if len(out.tokens) != max_tokens:
+        raise RuntimeError(f"{len(out.tokens)} tokens streamed, asked for {max_tokens}")
+    out.ttft_s = (first or ended) - started
+    out.latency_s = ended - started
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:

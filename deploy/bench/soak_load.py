@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from tierstore.deploy.bench.common import stream_completion
 from tierstore.deploy.passes import random_prompt
 
 logger = logging.getLogger(__name__)
@@ -57,41 +58,13 @@ class Response:
 
 
 def complete(client, model: str, prompt: list[int], max_tokens: int, resp: Response) -> None:
-    """One streamed greedy completion; fills ``resp`` (raises on any failure)."""
-    started = time.monotonic()
-    stream = client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        logprobs=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        timeout=_ATTEMPT_TIMEOUT_S,
-        extra_body={
-            "return_token_ids": True,
-            "ignore_eos": True,
-            "return_tokens_as_token_ids": True,
-        },
+    """One streamed greedy completion with log-probs; fills ``resp`` (raises on any
+    failure)."""
+    got = stream_completion(
+        client, model, prompt, max_tokens, logprobs=True, timeout_s=_ATTEMPT_TIMEOUT_S
     )
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    first = None
-    for chunk in stream:
-        if chunk.usage is not None:
-            details = chunk.usage.prompt_tokens_details
-            resp.cached_tokens = (details.cached_tokens or 0) if details else 0
-        for choice in chunk.choices:
-            ids = getattr(choice, "token_ids", None) or []
-            if ids and first is None:
-                first = time.monotonic()
-            tokens += ids
-            if choice.logprobs is not None and choice.logprobs.token_logprobs:
-                logprobs += choice.logprobs.token_logprobs
-    if len(tokens) != max_tokens:
-        raise RuntimeError(f"{len(tokens)} tokens streamed, asked for {max_tokens}")
-    resp.tokens, resp.logprobs = tokens, logprobs
-    resp.ttft_s = (first or time.monotonic()) - started
+    resp.tokens, resp.logprobs = got.tokens, got.logprobs
+    resp.cached_tokens, resp.ttft_s = got.cached_tokens, got.ttft_s
 
 
 def send(client, model: str, prompt: list[int], resp: Response, wl: Workload, deadline_s: float):
