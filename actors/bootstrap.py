@@ -79,6 +79,50 @@ def connect(cfg: TierStoreConfig) -> None:
         ) from exc
 
 
+def this_node_id() -> str:
+    """The Ray node this process works for; start-up only (one GCS call, bounded by
+    Ray's client timeout).
+
+    That is the node of the raylet that started this process or its nearest Ray worker
+    ancestor (``RAY_RAYLET_PID``: Ray sets it for every worker, and children inherit
+    it), else the node this process's own Ray connection attached to. The two differ
+    for a process a Ray worker starts outside Ray (vLLM's engine core and workers under
+    Ray Serve LLM) on a host that runs several raylets: ``ray.init`` attaches a driver
+    to the host's head raylet, whichever raylet its parent belongs to. A ``ray job
+    submit`` driver has no such variable (Ray strips it). An unreadable or stale one
+    (that process gone, or not a raylet of this cluster) falls back with a warning.
+    """
+    attached = ray.get_runtime_context().get_node_id()
+    raylet_pid = os.environ.get("RAY_RAYLET_PID")
+    if raylet_pid is None:
+        return attached
+    parent = _raylet_node_id(raylet_pid)
+    if parent is None or (parent != attached and parent not in alive_node_ids()):
+        logger.warning(
+            "RAY_RAYLET_PID=%r names no raylet of this cluster; working for node %s, the "
+            "one this process attached to",
+            raylet_pid,
+            attached,
+        )
+        return attached
+    return parent
+
+
+def _raylet_node_id(pid: str) -> str | None:
+    """The ``--node_id`` of the raylet process ``pid`` (from its command line), or None."""
+    try:
+        cmdline = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return None
+    words = cmdline.replace(b"\0", b" ").decode(errors="replace").split()
+    if not words or Path(words[0]).name != "raylet":
+        return None
+    for word in words:
+        if word.startswith("--node_id="):
+            return word.removeprefix("--node_id=")
+    return None
+
+
 def start_lock_path() -> Path:
     """The start lock: in this user's private directory of the temporary folder (made
     0700 on first use), so no other user can plant, hold or link it."""
@@ -183,7 +227,7 @@ def get_or_create_evictors(cfg: TierStoreConfig) -> list[ray.actor.ActorHandle]:
     raises :class:`~tierstore.config.ConfigMismatchError` naming them, and nothing more
     is started. Blocks until every shard answers which config it runs with (up to
     ``START_TIMEOUT_S`` in all)."""
-    here = ray.get_runtime_context().get_node_id()
+    here = this_node_id()
     others = sorted(alive_node_ids() - {here})
     nodes = [here, *others]
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -234,7 +278,7 @@ def get_or_create_node_store(
     """The NodeStore of ``node_id`` (default: this process's node), pinned to it; after
     the Evictor shards' configs are checked (:func:`get_or_create_evictors`), so a config
     that differs starts nothing. Returns without waiting on the NodeStore."""
-    node_id = node_id or ray.get_runtime_context().get_node_id()
+    node_id = node_id or this_node_id()
     get_or_create_evictors(cfg)
     return place_node_store(cfg, node_id)
 

@@ -8,10 +8,14 @@ Protocols it needs (``EvictorCalls``, ``WorkerPorts``). See the README's layer r
 
 from __future__ import annotations
 
-import ray
 from vllm.v1.kv_offload.base import OffloadingWorker
 
-from tierstore.actors.bootstrap import connect, evictor_clients, get_or_create_node_store
+from tierstore.actors.bootstrap import (
+    connect,
+    evictor_clients,
+    get_or_create_node_store,
+    this_node_id,
+)
 from tierstore.actors.clients import NodeStoreClient
 from tierstore.actors.worker_ports import RayWorkerPorts
 from tierstore.config import TierStoreConfig
@@ -32,7 +36,7 @@ class TierStoreSpec(TierStoreSpecBase):
     def _connect_manager(self) -> tuple[list[EvictorCalls], NodeId]:
         connect(self.store_config)
         evictors: list[EvictorCalls] = list(evictor_clients(self.store_config))
-        return evictors, NodeId(ray.get_runtime_context().get_node_id())
+        return evictors, NodeId(this_node_id())
 
     def _connect_worker(self, layout: ChunkLayout) -> OffloadingWorker:
         with started_threads_leave_compute_cores():  # Ray's threads, on a vLLM-CPU worker
@@ -48,13 +52,14 @@ class TierStoreSpec(TierStoreSpecBase):
 def connect_worker(
     cfg: TierStoreConfig, layout: ChunkLayout, rank: int = 0, world_size: int = 1
 ) -> TierStoreWorker:
-    """A worker for this process's node, once that node's NodeStore is up (the spec, the
-    benchmarks and the tests all start a worker here).
+    """A worker for this process's node (:func:`~tierstore.actors.bootstrap.this_node_id`),
+    once that node's NodeStore is up (the spec, the benchmarks and the tests all start a
+    worker here).
 
     Start-up only (never in a step): it waits until the NodeStore has registered what its
     disk tier recovered, so the first lookups already see it.
     """
-    node = NodeId(ray.get_runtime_context().get_node_id())
+    node = NodeId(this_node_id())
     evictors = evictor_clients(cfg, cfg.transfer_timeout_s)  # one per Evictor shard
     local_store = NodeStoreClient(get_or_create_node_store(cfg, node), node)
     local_store.status().result(cfg.transfer_timeout_s)

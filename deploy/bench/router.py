@@ -36,15 +36,12 @@ workload): lookup HITs whose every rank's bytes were on the asking engine's node
 here at lookup time), and chunks loaded. The replicas' placement (which node) is
 recorded; which replica served each request is not (the OpenAI response does not say).
 
-On this simulated cluster the same-node share says nothing about routing: the replicas
-are placed on the two raylets, but their vLLM engines run in processes vLLM starts outside
-Ray (the CPU build's multiprocessing executor), and each joins the cluster as a driver;
-Ray attaches a driver to the head's raylet when several share a host
-(``get_node_to_connect_for_driver``). tierstore then sees both engines on the head node:
-every chunk is stored and loaded there (``loaded_shards_by_node``), every HIT is
-"same-node", and TierAwareRouter, which compares holders with the replicas' own nodes,
-finds no prefix on either replica's node and ranks by the device prefix it routed, then
-load. On real machines (one raylet per host) each engine joins its own host's raylet.
+The replicas are placed on the two raylets; their vLLM engines run in processes vLLM
+starts outside Ray (the CPU build's multiprocessing executor), which join the cluster as
+drivers, and Ray attaches a driver to the head's raylet when several share a host
+(``get_node_to_connect_for_driver``). tierstore works for the node of the raylet that
+started the replica (``tierstore.actors.bootstrap.this_node_id``), so each engine stores
+to and loads from its replica's node, as on machines with one raylet each.
 """
 
 from __future__ import annotations
@@ -61,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ray.serve.llm.request_router import PrefixCacheAffinityRouter
-from tierstore.deploy.bench.common import percentile
+from tierstore.deploy.bench.common import percentile, stream_completion
 from tierstore.deploy.bench.e2e import BIND_ENV, omp_binding
 from tierstore.deploy.bench.workloads import MultiRound
 from tierstore.deploy.models import make_tiny_model
@@ -198,39 +195,13 @@ def _app(model: Path, name: str, chunk_ns: str | None, ray_ns: str, s: dict[str,
 
 def _stream(client: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     """One completion, streamed: TTFT (first chunk with a token), tokens, cached tokens."""
-    started = time.perf_counter()
-    stream = client.completions.create(
-        model=MODEL_ID,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "return_token_ids": True},
-    )
-    first: float | None = None
-    tokens: list[int] = []
-    cached: int | None = None
-    prompt_tokens: int | None = None
-    for chunk in stream:
-        for choice in chunk.choices or []:
-            ids = getattr(choice, "token_ids", None) or []
-            if ids and first is None:
-                first = time.perf_counter()
-            tokens += list(ids)
-        if chunk.usage is not None:
-            prompt_tokens = chunk.usage.prompt_tokens
-            details = chunk.usage.prompt_tokens_details
-            cached = None if details is None else details.cached_tokens
-    ended = time.perf_counter()
-    if first is None:
-        raise RuntimeError(f"no token streamed for a {len(prompt)}-token prompt")
+    got = stream_completion(client, MODEL_ID, prompt, max_tokens)
     return {
-        "ttft_s": first - started,
-        "latency_s": ended - started,
-        "prompt_tokens": prompt_tokens if prompt_tokens is not None else len(prompt),
-        "cached_tokens": cached,
-        "tokens": tokens,
+        "ttft_s": got.ttft_s,
+        "latency_s": got.latency_s,
+        "prompt_tokens": got.prompt_tokens,
+        "cached_tokens": got.cached_tokens,
+        "tokens": got.tokens,
     }
 
 

@@ -9,10 +9,13 @@ replicas. Each asks for two CPUs (Ray Serve LLM's CPU bundle plus the replica ac
 and each of the two raylets has two, so Ray places one replica per raylet (the head has
 one, for the ingress).
 
-1. PROMPT goes to the app: some replica, A, computes it and tierstore stores its chunks.
+1. PROMPT goes to the app: some replica, A, computes it and tierstore stores its chunks
+   on A's node (the engine's processes, started by vLLM outside Ray, attach their Ray
+   connection to the head's raylet; tierstore works for the replica's node).
 2. PROMPT again, until a replica answers it from tierstore: that is not A (A's own device
-   prefix cache holds it, and a device hit loads nothing), so it is B. Serve's router
-   picks between two idle replicas at random, so this takes two tries on average.
+   prefix cache holds it, and a device hit loads nothing), so it is B, which loads the
+   chunks from A's node. Serve's router picks between two idle replicas at random, so
+   this takes two tries on average.
 
 PROMPT is the e2e suite's (tests/e2e/conftest.py): the test compares the tokens with the
 suite's run of the same model without tierstore.
@@ -113,6 +116,11 @@ def _totals() -> dict[str, int]:
     return dict(collect_status(NAMESPACE)["totals"])
 
 
+def _cpu_chunks_by_node() -> dict[str, int]:
+    """Each NodeStore's chunks in its CPU tier, by node."""
+    return {n["node_id"]: n["cpu"]["chunks"] for n in collect_status(NAMESPACE)["nodes"]}
+
+
 def _tries_until(step: Callable[[int], bool]) -> int:
     for attempt in range(1, MAX_TRIES + 1):
         if step(attempt):
@@ -165,6 +173,7 @@ def main(model: str, out: Path) -> None:
             done=lambda n: n >= chunks,
         )
         facts["before"] = _totals()
+        facts["stored_by_node"] = _cpu_chunks_by_node()
         facts["device_hits"] = []
 
         def step(attempt: int) -> bool:

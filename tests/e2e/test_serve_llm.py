@@ -135,11 +135,19 @@ def test_a_prompt_one_replica_computed_is_served_by_the_other_from_tierstore(
     for again in facts["device_hits"]:
         assert again["cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
         assert again["tokens"] == cold["tokens"]
-    # Replica B loaded the prefix from tierstore: the Evictor counted the chunks loaded.
+    # Replica A's engine stored on A's node: a replica's node, not the head's (whose
+    # raylet the engine's own Ray connection attached to).
+    holders = [node for node, chunks in facts["stored_by_node"].items() if chunks]
+    assert len(holders) == 1 and holders[0] in facts["nodes"]
+    # Replica B loaded the prefix from tierstore: the Evictor counted the chunks loaded,
+    # and its HITs were held on another node than the asking engine's (A's, B's own).
     assert warm["cached_tokens"] >= MIN_CACHED_FRACTION * _PROMPT_TOKENS
-    loaded = facts["warm_after"]["loaded_chunks"] - facts["warm_before"]["loaded_chunks"]
+    before, after = facts["warm_before"], facts["warm_after"]
+    loaded = after["loaded_chunks"] - before["loaded_chunks"]
     assert loaded >= warm["cached_tokens"] // _BLOCK
-    assert facts["warm_after"]["hits"] > facts["warm_before"]["hits"]
+    assert after["hits"] > before["hits"]
+    assert after["hits_other_node"] > before["hits_other_node"]
+    assert after["hits_same_node"] == before["hits_same_node"]
     # The same tokens as the model without tierstore, greedy: the suite's reference
     # engine's first pass (vLLM's LLM, same engine settings, nothing to load).
     plain = only(runs["llama"]["device"], 0)
