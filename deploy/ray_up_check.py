@@ -132,6 +132,9 @@ class Run:
             RAY_AUTH_MODE="token",
             RAY_USAGE_STATS_ENABLED="0",
             RAY_UP_enable_autoscaler_v2="1",
+            # Every process of the cluster (head, autoscaler, raylets, drivers) resolves
+            # 127.0.0.1 as 127.0.0.1, not as the machine's address (tests/conftest.py).
+            RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         )
         self.env = env
 
