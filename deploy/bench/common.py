@@ -1,5 +1,5 @@
-"""What the benchmarks share: joining Ray (a job's cluster, else a private one), a
-streamed OpenAI completion, percentiles."""
+"""What the benchmarks share: joining Ray (a job's cluster, else a private one; two
+nodes of either), a streamed OpenAI completion, percentiles."""
 
 from __future__ import annotations
 
@@ -59,6 +59,47 @@ def ray_session(namespace: str) -> Iterator[str]:
         shutdown_actors(namespace)
         if started_here:
             ray.shutdown()
+
+
+@contextmanager
+def two_nodes(
+    namespace: str, bench: str, node_args: dict[str, Any] | None = None
+) -> Iterator[tuple[str, str, str]]:
+    """(node A, node B, how) for a benchmark named ``bench`` that moves bytes between
+    nodes: two real nodes of the job's cluster under ``ray job submit``, else two
+    simulated raylets of one CPU each (``ray.cluster_utils``, and a head with none) on
+    127.0.0.1, with token auth (as Ray 2.60 runs by default; a caller's own choice is
+    kept) and workers at niceness 0 (what tierstore's ``ray start`` sets). ``node_args``:
+    more of each simulated node's ``ray start`` arguments. This process is the driver;
+    everything is shut down on the way out."""
+    import ray
+    from tierstore.deploy.ray_auth import token_auth
+
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], namespace=namespace, log_to_driver=False)
+        try:
+            nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+            if len(nodes) < 2:
+                raise SystemExit(f"{bench} needs a cluster of two or more nodes (it has one)")
+            yield nodes[0], nodes[1], "cluster"
+        finally:
+            ray.shutdown()
+        return
+    from ray.cluster_utils import Cluster
+
+    token_auth()
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    node = {"node_ip_address": "127.0.0.1", **(node_args or {})}
+    cluster = Cluster(initialize_head=True, head_node_args=node | {"num_cpus": 0})
+    try:
+        node_a, node_b = (cluster.add_node(num_cpus=1, **node) for _ in range(2))
+        ray.init(address=cluster.address, namespace=namespace, log_to_driver=False)
+        try:
+            yield node_a.node_id, node_b.node_id, "simulated (ray.cluster_utils, one machine)"
+        finally:
+            ray.shutdown()
+    finally:
+        cluster.shutdown()
 
 
 @dataclass

@@ -15,11 +15,8 @@ two or more nodes it uses two real ones.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tierstore.actors.bootstrap import ensure_actors, get_or_create_evictor, shutdown_actors
 from tierstore.actors.clients import EvictorClient
 from tierstore.deploy.bench import plots
+from tierstore.deploy.bench.common import two_nodes
 from tierstore.deploy.bench.dataplane import PageJobs
 
 from tierstore.config import TierStoreConfig
@@ -195,37 +193,11 @@ def _make_hot(cfg: TierStoreConfig, key: bytes, node_b: str) -> float:
         time.sleep(0.002)
 
 
-@contextmanager
-def _two_nodes() -> Iterator[tuple[str, str, str]]:
-    """(node A, node B, how): two real nodes of the job's cluster, else two simulated."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
-        nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        if len(nodes) < 2:
-            ray.shutdown()
-            raise SystemExit("crossnode needs a cluster of two or more nodes (it has one)")
-        try:
-            yield nodes[0], nodes[1], "cluster"
-        finally:
-            ray.shutdown()
-        return
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node_a, node_b = cluster.add_node(num_cpus=1), cluster.add_node(num_cpus=1)
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    try:
-        yield node_a.node_id, node_b.node_id, "simulated (ray.cluster_utils, one machine)"
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def run(args: Any) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20]
     # Room for every chunk the run stores on A and copies to B, below the low watermark.
     cfg = TierStoreConfig(cpu_bytes_per_node=32 * (64 << 20), namespace=NAMESPACE)
-    with _two_nodes() as (node_a, node_b, how):
+    with two_nodes(NAMESPACE, "crossnode") as (node_a, node_b, how):
         ensure_actors(cfg)
         try:
             results = [bench_size(cfg, node_a, node_b, size) for size in sizes]

@@ -50,7 +50,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tierstore.deploy.bench import plots
-from tierstore.deploy.ray_auth import MODE_ENV, token_auth
+from tierstore.deploy.bench.common import two_nodes as common_two_nodes
+from tierstore.deploy.ray_auth import MODE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -227,37 +228,12 @@ def bench_size(
 
 @contextmanager
 def two_nodes() -> Iterator[tuple[str, str, str]]:
-    """(node A, node B, how): two real nodes of the job's cluster, else two simulated
-    raylets on loopback with token auth and workers at niceness 0."""
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], namespace=NAMESPACE, log_to_driver=False)
-        try:
-            nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-            if len(nodes) < 2:
-                raise SystemExit("transport needs a cluster of two or more nodes (it has one)")
-            yield nodes[0], nodes[1], "cluster"
-        finally:
-            ray.shutdown()
-        return
-    from ray.cluster_utils import Cluster
-
-    token_auth()  # as Ray 2.60 runs by default; a caller's own choice is kept
-    os.environ.setdefault(_NICENESS_ENV, "0")  # what tierstore's `ray start` sets
-    os.environ.setdefault(_GLOO_IFNAME_ENV, "lo")  # Gloo too stays on loopback
-    node: dict[str, Any] = {
-        "node_ip_address": "127.0.0.1",
-        "object_store_memory": _NODE_STORE_BYTES,
-    }
-    cluster = Cluster(initialize_head=True, head_node_args=node | {"num_cpus": 0})
-    try:
-        node_a, node_b = (cluster.add_node(num_cpus=1, **node) for _ in range(2))
-        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-        try:
-            yield node_a.node_id, node_b.node_id, "simulated (ray.cluster_utils, one machine)"
-        finally:
-            ray.shutdown()
-    finally:
-        cluster.shutdown()
+    """:func:`common.two_nodes`, Gloo too on loopback, object stores sized for the moves."""
+    os.environ.setdefault(_GLOO_IFNAME_ENV, "lo")  # Gloo's pairs bind this interface
+    with common_two_nodes(
+        NAMESPACE, "transport", {"object_store_memory": _NODE_STORE_BYTES}
+    ) as nodes:
+        yield nodes
 
 
 def measure(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:

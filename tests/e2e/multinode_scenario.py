@@ -31,9 +31,9 @@ from typing import Any
 import ray
 from tierstore.actors.bootstrap import ensure_actors, find_node_store, get_or_create_evictors
 from tierstore.deploy.cli import collect_status
+from tierstore.deploy.engine_host import start_engine_on
 from tierstore.deploy.passes import TIERSTORE_SPEC, EngineSpec, random_prompt
 
-from tests.e2e.engine_actor import start_engine_on
 from tests.support import E2E_LOOKUP_TIMEOUT_MS, simulated_cluster, wait_for
 from tierstore.config import TierStoreConfig
 from tierstore.errors import ActorUnavailableError, ClusterUnavailableError, RemoteCallTimeout

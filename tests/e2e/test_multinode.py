@@ -1,7 +1,7 @@
 """Across simulated nodes (``ray.cluster_utils``): cross-node loads, TP shards, node loss.
 
 The CPU build refuses vLLM's Ray executor ("current platform cpu does not support ray"),
-so an engine on a chosen node is a Ray actor pinned there (``tests/e2e/engine_actor.py``),
+so an engine on a chosen node is a Ray actor pinned there (``tierstore/deploy/engine_host.py``),
 which is what the Ray executor's workers are; TP=2 runs with vLLM's multiprocessing
 executor.
 """

@@ -5,11 +5,8 @@ support ray"), so on the CPU build this actor stands in for the Ray executor's
 ``RayWorkerProc``: the engine core and its one worker run in the actor's process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the node the actor was pinned to. The tierstore
 worker then finds that node's NodeStore exactly as a Ray-executor worker would. Used by
-the multi-node tests (``multinode_scenario.py``).
-
-Ray pickles :class:`EngineHost` by reference: the actor's worker process imports this
-module, so the scenario's driver starts its cluster with the repository root on
-``PYTHONPATH`` (``test_multinode.py`` sets it), which the raylets' workers inherit.
+the multi-node tests (``tests/e2e/multinode_scenario.py``) and ``tierstore bench
+crossnode_hits``.
 """
 
 from __future__ import annotations
