@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -72,6 +73,9 @@ class Pulls:
         self._active = 0  # pulls submitted and not ended
         self._running: set[Future[bool]] = set()  # begun, or sure to begin at once
         self._counts = {"pulls": 0, "shards": 0, "bytes": 0, "failed": 0, "joined": 0, "waits": 0}
+        # Where the landed pulls' time went, summed: the holder's call with the bytes'
+        # move to this node (fetch), then verifying and keeping them here (accept).
+        self._times_s = {"fetch": 0.0, "accept": 0.0}
 
     def start(self, pulls: Sequence[tuple[ShardId, NodeId]]) -> int:
         """Pull each shard from its holder, one pull per holder; a shard already being
@@ -108,13 +112,17 @@ class Pulls:
         with self._lock:
             self._running.add(done)
         try:
+            started = time.perf_counter()
             views, metas = self._fetch(holder, shard_ids)
             if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
                 raise ValueError(f"{len(views)} arrays for {len(shard_ids)} shards")
+            fetched = time.perf_counter()
             self._accept(list(zip(shard_ids, metas, strict=True)), list(views))
             with self._lock:
                 self._counts["shards"] += len(shard_ids)
                 self._counts["bytes"] += sum(int(v.nbytes) for v in views)
+                self._times_s["fetch"] += fetched - started
+                self._times_s["accept"] += time.perf_counter() - fetched
             ok = True
         except Exception as exc:
             logger.warning("pulling %d shards from node %s failed: %s", len(shard_ids), holder, exc)
@@ -165,11 +173,14 @@ class Pulls:
                 states.append(PullState.NONE)
         return states
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, float]:
         """Pulls started, shards and bytes pulled, pulls failed, shards asked for again
-        while in flight (joined), loads that waited, and shards in flight now."""
+        while in flight (joined), loads that waited, shards in flight now, and the landed
+        pulls' seconds in the holder's call and the move (``fetch_s``) and in verifying
+        and keeping the bytes here (``accept_s``)."""
         with self._lock:
-            return {**self._counts, "in_flight": len(self._in_flight)}
+            times = {f"{step}_s": seconds for step, seconds in self._times_s.items()}
+            return {**self._counts, "in_flight": len(self._in_flight), **times}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
