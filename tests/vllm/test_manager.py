@@ -430,31 +430,57 @@ def test_a_chunk_the_snapshot_shows_in_memory_here_is_a_hit_with_no_evictor_call
     off.shutdown()
 
 
-def test_a_chunk_the_snapshot_shows_only_on_another_node_is_leased_in_the_same_step(
+def test_a_chunk_the_snapshot_shows_only_on_another_node_is_asked_first_with_pulls(
     cfg: TierStoreConfig,
 ) -> None:
-    """A view hit on another node is a HIT at once too, but its load waits on that node:
-    its lookup goes out at the end of the same step, and the lease keeps the chunk."""
+    """With pulls at lookup (``pulls_per_node``, the default), a chunk the view shows only
+    on another node is asked first: that lookup starts this node's pull, which the load a
+    step later joins (loaded at once, it would fetch the bytes itself beside the pull).
+    Without pulls it is a HIT at once, its load waiting on that node: its lookup goes out
+    at the end of the same step. Either way the lease keeps the chunk."""
     cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)
+    assert cfg.pulls_per_node
     evictor, node = _evictor_holding(cfg)
     other = "other-node"
     evictor.register_node(other, 1000).result()
-    evictor.admit(other, [ShardOffer(NS, _key(5), 0, 1, 100)]).result()
-    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
-    manager.answer_hits_from_picture(1)
-    _wait_for_fresh_snapshot(manager)
-    ctx = ReqContext(req_id="remote")
-    manager.on_new_request(ctx)
-    assert manager.lookup(_key(5), ctx) is LookupResult.HIT
-    assert manager.prepare_load([_key(5)], ctx).nodes == (other,)
-    manager.on_schedule_end(END)
-    hits = poll(lambda: evictor.status().result()["totals"]["hits"], _WAIT_S, done=lambda n: n)
-    assert hits == 1
-    accepted, _ = evictor.admit(other, [ShardOffer(NS, _key(6), 0, 1, 950)]).result()
-    assert accepted == [False]  # leased: not evicted for room
-    manager.complete_load([_key(5)], ctx)
-    manager.on_request_finished(ctx)
-    manager.shutdown()
+    key = _key(5)
+    evictor.admit(other, [ShardOffer(NS, key, 0, 1, 100)]).result()
+    for pulls in (cfg.pulls_per_node, 0):
+        manager = TierStoreManager(
+            dataclasses.replace(cfg, pulls_per_node=pulls),
+            NS,
+            EvictorChannel(evictor),
+            local_node=NodeId(node),
+        )
+        manager.answer_hits_from_picture(1)
+        _wait_for_fresh_snapshot(manager)
+        ctx = ReqContext(req_id=f"remote-{pulls}")
+        manager.on_new_request(ctx)
+        hits_before = evictor.status().result()["totals"]["hits"]
+        first = manager.lookup(key, ctx)
+        manager.on_schedule_end(END)  # the step's asks go out
+        if pulls:
+            assert first is LookupResult.RETRY
+            answered = poll(
+                lambda m=manager, c=ctx: m.lookup(key, c),
+                _WAIT_S,
+                done=lambda result: result is not LookupResult.RETRY,
+            )
+            assert answered is LookupResult.HIT
+        else:
+            assert first is LookupResult.HIT
+        assert manager.prepare_load([key], ctx).nodes == (other,)
+        hits = poll(
+            lambda before=hits_before: evictor.status().result()["totals"]["hits"] - before,
+            _WAIT_S,
+            done=lambda n: n,
+        )
+        assert hits == 1
+        accepted, _ = evictor.admit(other, [ShardOffer(NS, _key(6), 0, 1, 950)]).result()
+        assert accepted == [False]  # leased: not evicted for room
+        manager.complete_load([key], ctx)
+        manager.on_request_finished(ctx)
+        manager.shutdown()
 
 
 def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
