@@ -97,6 +97,10 @@ class Evictor:
             target=self._tick, args=(me,), name="tierstore-reconcile", daemon=True
         )
         self._ticker.start()
+        # What this process holds now (Ray's and tierstore's modules) lives as long as it:
+        # out of the cyclic GC's sight from the start, as the index is after each
+        # reconcile, so a young Evictor's first full collection does not scan it.
+        gc.freeze()
 
     def _tick(self, me: EvictorClient) -> None:
         """The ticker thread: a failed reconcile is logged and counted, never its end."""
