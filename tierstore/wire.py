@@ -34,6 +34,7 @@ one) is read as root 0.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -452,15 +453,28 @@ def offer_columns(offers: Sequence[ShardOffer], unit_sizes: Sequence[int] = ()) 
         raise ValueError(f"an offer's field is outside its column's range: {exc}") from exc
 
 
-def _column(field: str, value: object, dtype: np.dtype[Any], n: int | None = None) -> np.ndarray:
-    """A fixed-width column of a message: bytes, ``n`` items of ``dtype`` (any number of
-    whole items when ``n`` is None). Raises MalformedField."""
+def _width(field: str, value: object, itemsize: int, n: int | None) -> int:
+    """How many items of ``itemsize`` bytes the column ``value`` holds: bytes, ``n`` of
+    them (any whole number when ``n`` is None). Raises MalformedField."""
     if not isinstance(value, bytes):
         raise MalformedField(field, type(value).__name__, "not bytes")
-    if len(value) % dtype.itemsize or (n is not None and len(value) != n * dtype.itemsize):
+    if len(value) % itemsize or (n is not None and len(value) != n * itemsize):
         want = "whole items" if n is None else f"{n} items"
-        raise MalformedField(field, f"{len(value)} bytes", f"not {want} of {dtype.itemsize}")
-    return np.frombuffer(value, dtype)
+        raise MalformedField(field, f"{len(value)} bytes", f"not {want} of {itemsize}")
+    return len(value) // itemsize
+
+
+def _column(field: str, value: object, dtype: np.dtype[Any], n: int | None = None) -> np.ndarray:
+    """A fixed-width column of a message as an array (:func:`_width`)."""
+    _width(field, value, dtype.itemsize, n)
+    return np.frombuffer(value, dtype)  # type: ignore[call-overload]  # bytes: checked
+
+
+def _ints(field: str, value: object, code: str, n: int) -> tuple[int, ...]:
+    """A fixed-width column of a small message as ints (``code``: a struct format
+    letter, little-endian), without numpy (see :data:`_SMALL`)."""
+    _width(field, value, struct.calcsize(code), n)
+    return struct.unpack(f"<{n}{code}", value)  # type: ignore[arg-type]  # bytes: checked
 
 
 def _slices(blob: bytes, lengths: np.ndarray) -> list[bytes]:
@@ -471,12 +485,13 @@ def _slices(blob: bytes, lengths: np.ndarray) -> list[bytes]:
 def _group_too_large(blob: bytes, lengths: np.ndarray) -> np.ndarray:
     """Per key of ``blob`` (lengths ``lengths``, each at least GROUP_BYTES long where it
     matters): whether its KV cache group index is not below MAX_GROUPS."""
+    if not len(lengths):
+        return np.zeros(0, bool)
     data = np.frombuffer(blob + bytes(fields.GROUP_BYTES), _U8)
     first = np.maximum(np.cumsum(lengths) - fields.GROUP_BYTES, 0)
-    group = np.zeros(len(lengths), np.uint64)
-    for i in range(fields.GROUP_BYTES):  # big-endian
-        group = (group << np.uint64(8)) | data[first + i]
-    too_large: np.ndarray = group >= fields.MAX_GROUPS
+    suffixes = data[first[:, None] + np.arange(fields.GROUP_BYTES)]  # one row per key
+    groups = suffixes.view(f">u{fields.GROUP_BYTES}")[:, 0]  # big-endian
+    too_large: np.ndarray = groups >= fields.MAX_GROUPS
     return too_large
 
 
@@ -517,12 +532,93 @@ def _arrays(cols: OfferColumns) -> _Rows:
     return arrays
 
 
-def _offer_rows(value: object) -> tuple[list[ShardOffer], np.ndarray, OfferColumns]:
-    """The offers of a message as rows, and which of them are malformed (a field out of
-    range: that offer is refused, the rest go on). Raises MalformedField for a message
-    whose columns do not fit together (its offers cannot be told apart)."""
+# Offers up to which a message is checked row by row (check_offer itself) rather than
+# column by column: numpy's fixed cost per call, paid some 30 times, is more than a few
+# rows' checks (an Evictor's single-offer admit took 3x as long through the columns).
+_SMALL = 16
+
+
+def _small_rows(cols: OfferColumns) -> list[tuple[object, ...]]:
+    """A small message's offers as raw rows for :func:`check_offer` (a namespace index
+    out of range left as the index: not a namespace). Raises MalformedField as
+    :func:`_arrays` does."""
+    lengths = list(cols.key_lengths)
+    n = len(lengths)
+    ns_of = _ints("offers.namespace_of", cols.namespace_of, "I", n)
+    flags = _ints("offers.has_parent", cols.has_parent, "B", n)
+    if any(flag > 1 for flag in flags):
+        raise MalformedField("offers.has_parent", cols.has_parent[:8], "not 0 or 1")
+    numbers = zip(
+        _ints("offers.ranks", cols.ranks, "I", n),
+        _ints("offers.world_sizes", cols.world_sizes, "I", n),
+        _ints("offers.nbytes", cols.nbytes, "q", n),
+        _ints("offers.roots", cols.roots, "Q", n),
+        strict=True,
+    )
+    if not isinstance(cols.keys, bytes) or len(cols.keys) != sum(lengths):
+        raise MalformedField("offers.keys", _size_of(cols.keys), "not its key lengths' sum")
+    parent_bytes = sum(length for length, flag in zip(lengths, flags, strict=True) if flag)
+    if not isinstance(cols.parents, bytes) or len(cols.parents) != parent_bytes:
+        raise MalformedField("offers.parents", _size_of(cols.parents), "not its parents' sum")
+    namespaces = items("offers.namespaces", cols.namespaces, MAX_ITEMS)
+    rows: list[tuple[object, ...]] = []
+    at = parent_at = 0
+    for i, (rank, world, size, root) in enumerate(numbers):
+        length = lengths[i]
+        key, at = cols.keys[at : at + length], at + length
+        parent = cols.parents[parent_at : parent_at + length] if flags[i] else None
+        parent_at += length if flags[i] else 0
+        namespace = namespaces[ns_of[i]] if ns_of[i] < len(namespaces) else ns_of[i]
+        rows.append((namespace, key, rank, world, size, parent, root))
+    return rows
+
+
+def _checked_offers(value: object, what: str) -> tuple[list[ShardOffer | None], OfferColumns]:
+    """A message's offers, each checked as :func:`check_offer` does (row by row when the
+    message is small, else column by column); None for each one refused, logged (how
+    many, and the first one's field and value). Raises MalformedField for a message
+    that is not OfferColumns or whose columns do not fit together."""
     if not isinstance(value, OfferColumns):
         raise MalformedField("offers", type(value).__name__, "not OfferColumns")
+    checked: list[ShardOffer | None] = []
+    if isinstance(value.key_lengths, bytes) and len(value.key_lengths) <= _SMALL:
+        rows = _small_rows(value)
+        first_refusal = None
+        for i, row_ in enumerate(rows):
+            try:
+                checked.append(check_offer(row_))
+            except MalformedField as exc:
+                checked.append(None)
+                first_refusal = first_refusal or (i, str(exc))
+    else:
+        offers, bad = _offer_rows(value)
+        refused = np.flatnonzero(bad).tolist()
+        checked = list(offers)
+        for i in refused:
+            checked[i] = None
+        first_refusal = (refused[0], _why(offers[refused[0]])) if refused else None
+    if first_refusal is not None:
+        count = checked.count(None)
+        first, why = first_refusal
+        logger.warning(
+            "refused %d of %d %s(s); the first, %d: %s", count, len(checked), what, first, why
+        )
+    return checked, value
+
+
+def _why(offer: ShardOffer) -> str:
+    """What :func:`check_offer` says of a refused offer (the column checks found it)."""
+    try:
+        check_offer(offer)
+    except MalformedField as exc:
+        return str(exc)
+    return "its namespace is not one of the message's"
+
+
+def _offer_rows(value: OfferColumns) -> tuple[list[ShardOffer], np.ndarray]:
+    """The offers of a message as rows, and which of them are malformed (a field out of
+    range: that offer is refused, the rest go on), checked column by column. Raises
+    MalformedField for a message whose columns do not fit together."""
     a = _arrays(value)
     namespaces = items("offers.namespaces", value.namespaces, MAX_ITEMS)
     ns_of = np.minimum(a.namespace_of, len(namespaces))  # len: not one of them
@@ -531,7 +627,8 @@ def _offer_rows(value: object) -> tuple[list[ShardOffer], np.ndarray, OfferColum
     bad = ~known[ns_of]
     bad |= (a.lengths < fields.MIN_KEY_BYTES) | (a.lengths > fields.MAX_KEY_BYTES)
     bad |= _group_too_large(value.keys, a.lengths)
-    bad[a.has_parent] |= _group_too_large(value.parents, parent_lengths)
+    if len(parent_lengths):
+        bad[a.has_parent] |= _group_too_large(value.parents, parent_lengths)
     bad |= (a.worlds < 1) | (a.worlds >= fields.MAX_WORLD_SIZE) | (a.ranks >= a.worlds)
     bad |= (a.sizes < 1) | (a.sizes >= MAX_SHARD_BYTES)
     parents: list[bytes | None] = [None] * len(a.lengths)
@@ -549,7 +646,7 @@ def _offer_rows(value: object) -> tuple[list[ShardOffer], np.ndarray, OfferColum
         a.roots.tolist(),
         strict=True,
     )
-    return [tuple.__new__(ShardOffer, r) for r in rows], bad, value
+    return [tuple.__new__(ShardOffer, r) for r in rows], bad
 
 
 def _size_of(value: object) -> str:
@@ -564,33 +661,13 @@ def _is_namespace(value: object) -> bool:
     return True
 
 
-def _refused_rows(offers: list[ShardOffer], bad: np.ndarray, what: str) -> list[int]:
-    """The malformed offers' places, logged at WARNING (how many, and the first one's
-    field and value as :func:`check_offer` names them)."""
-    refused: list[int] = np.flatnonzero(bad).tolist()
-    if refused:
-        first = refused[0]
-        try:
-            check_offer(offers[first])
-            why = "its namespace is not one of the message's"
-        except MalformedField as exc:
-            why = str(exc)
-        logger.warning(
-            "refused %d of %d %s(s); the first, %d: %s", len(refused), len(offers), what, first, why
-        )
-    return refused
-
-
 def offers_of(value: object) -> list[ShardOffer | None]:
     """``admit``'s offers (:class:`OfferColumns`, no units), every field checked as
     :func:`check_offer` does; None for each one refused (logged). Raises MalformedField
     for a malformed message: not OfferColumns, columns that do not fit together."""
-    offers, bad, cols = _offer_rows(value)
+    checked, cols = _checked_offers(value, "offer")
     if cols.unit_sizes:
         raise MalformedField("offers.unit_sizes", _size_of(cols.unit_sizes), "admit takes no units")
-    checked: list[ShardOffer | None] = list(offers)
-    for i in _refused_rows(offers, bad, "offer"):
-        checked[i] = None
     return checked
 
 
@@ -600,16 +677,14 @@ def unit_offers_of(value: object) -> list[UnitOffer | None]:
     whole (a shard of it malformed, or the unit inconsistent; logged). Raises
     MalformedField for a malformed message (as :func:`offers_of`, or unit sizes that do
     not add up to its offers)."""
-    offers, bad, cols = _offer_rows(value)
-    sizes = _column("units.unit_sizes", cols.unit_sizes, _U32).astype(np.int64)
-    if int(sizes.sum()) != len(offers):
-        raise MalformedField("units.unit_sizes", f"{int(sizes.sum())} shards", f"not {len(offers)}")
-    shards: list[ShardOffer | None] = list(offers)
-    for i in _refused_rows(offers, bad, "unit offer shard"):
-        shards[i] = None
+    shards, cols = _checked_offers(value, "unit offer shard")
+    n_units = _width("units.unit_sizes", cols.unit_sizes, _U32.itemsize, None)
+    sizes = _ints("units.unit_sizes", cols.unit_sizes, "I", n_units)
+    if sum(sizes) != len(shards):
+        raise MalformedField("units.unit_sizes", f"{sum(sizes)} shards", f"not {len(shards)}")
     units: list[UnitOffer | None] = []
     at = 0
-    for i, size in enumerate(sizes.tolist()):
+    for i, size in enumerate(sizes):
         unit = shards[at : at + size]
         at += size
         if size == 1 and unit[0] is not None:

@@ -6,6 +6,7 @@ whole with a ValueError, never decoded into wrong offers or answers."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from tierstore.wire import (
     UnitOffer,
     answer_columns,
     answers_of,
+    check_offer,
     offer_columns,
     offers_of,
     unit_offers_of,
@@ -79,6 +81,43 @@ def test_offers_arrive_as_sent(offers: list[ShardOffer]) -> None:
     assert all(type(o) is ShardOffer for o in decoded)
 
 
+@st.composite
+def rough_offers(draw: st.DrawFn) -> ShardOffer:
+    """An offer any of whose fields may be out of range (each still fits its column)."""
+    length = draw(st.integers(1, 80))
+    rough_key = draw(st.binary(min_size=length, max_size=length))
+    parent = draw(st.none() | st.binary(min_size=length, max_size=length))
+    return ShardOffer(
+        Namespace(draw(st.sampled_from(["0ff3", "a.b-c_9", "", "not one!", "x" * 129]))),
+        ChunkKey(rough_key),
+        draw(st.integers(0, (1 << 32) - 1)),
+        draw(st.integers(0, (1 << 32) - 1)),
+        draw(st.integers(-(1 << 63), (1 << 63) - 1)),
+        None if parent is None else ChunkKey(parent),
+        draw(st.integers(0, (1 << 64) - 1)),
+    )
+
+
+def _reference(offer: ShardOffer) -> ShardOffer | None:
+    try:
+        return check_offer(offer)
+    except MalformedField:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(rough_offers(), max_size=8), st.integers(20, 40))
+def test_offers_are_checked_as_check_offer_checks_each(
+    offers: list[ShardOffer], padding: int
+) -> None:
+    """Column by column (a large message) and row by row (a small one) alike."""
+    expected = [_reference(o) for o in offers]
+    assert offers_of(sent(offer_columns(offers))) == expected
+    good = ShardOffer(NS, key(1), 0, 1, 1)
+    large = offers_of(sent(offer_columns([*offers, *[good] * padding])))
+    assert large == [*expected, *[good] * padding]
+
+
 def test_units_arrive_as_sent_each_of_its_shards() -> None:
     offers = [
         ShardOffer(NS, key(b, g), r, 2, 100, None, 7)
@@ -107,27 +146,31 @@ def test_a_malformed_offer_is_refused_alone() -> None:
     assert decoded == [offers[0], None, None, None, None, None, None, None, offers[8]]
 
 
-def _columns(**changed: Any) -> OfferColumns:
-    offers = [ShardOffer(NS, key(i), 0, 1, 256, key(i - 1) if i else None) for i in range(4)]
+def _columns(n: int = 4, **changed: Any) -> OfferColumns:
+    offers = [ShardOffer(NS, key(i), 0, 1, 256, key(i - 1) if i else None) for i in range(n)]
     return offer_columns(offers)._replace(**changed)
 
 
+@pytest.mark.parametrize("n", [4, 40])  # checked row by row, and column by column
 @pytest.mark.parametrize(
-    ("changed", "field"),
+    ("change", "field"),
     [
-        ({"ranks": b"\0" * 12}, "offers.ranks"),  # one rank short
-        ({"nbytes": b"\0" * 33}, "offers.nbytes"),
-        ({"keys": b"\0" * 47}, "offers.keys"),  # one byte short of the lengths' sum
-        ({"parents": b"\0" * 24}, "offers.parents"),
-        ({"has_parent": b"\0\1\2\1"}, "offers.has_parent"),
-        ({"roots": "not bytes"}, "offers.roots"),
-        ({"namespaces": "0ff3"}, "offers.namespaces"),
-        ({"unit_sizes": (4).to_bytes(4, "little")}, "offers.unit_sizes"),  # admit: no units
+        (lambda c: {"ranks": c.ranks[:-4]}, "offers.ranks"),  # one rank short
+        (lambda c: {"nbytes": c.nbytes + b"\0"}, "offers.nbytes"),
+        (lambda c: {"keys": c.keys[:-1]}, "offers.keys"),  # one byte short of the sum
+        (lambda c: {"parents": c.parents + b"\0" * 12}, "offers.parents"),
+        (lambda c: {"has_parent": b"\2" + c.has_parent[1:]}, "offers.has_parent"),
+        (lambda c: {"roots": "not bytes"}, "offers.roots"),
+        (lambda c: {"namespaces": "0ff3"}, "offers.namespaces"),
+        (lambda c: {"unit_sizes": (len(c.ranks) // 4).to_bytes(4, "little")}, "unit_sizes"),
     ],
 )
-def test_a_malformed_message_is_refused_whole(changed: dict[str, Any], field: str) -> None:
+def test_a_malformed_message_is_refused_whole(
+    n: int, change: Callable[[OfferColumns], dict[str, Any]], field: str
+) -> None:
+    columns = _columns(n)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        offers_of(sent(_columns(**changed)))
+        offers_of(sent(columns._replace(**change(columns))))
 
 
 def test_offers_not_in_columns_are_refused() -> None:
