@@ -6,16 +6,18 @@ Who sends what (each arrow a Ray call, or for the arena a word in shared memory)
   :func:`check_job`, before anything changes); the NodeStore answers with
   :class:`ShardMeta` (loads, pins) and :class:`RegionInfo` (the arena to map);
 - a NodeStore -> the Evictor: :class:`UnitOffer` (admit: the shards of one token
-  boundary, every rank's and group's its batch holds), :class:`ShardOffer` (restore)
-  and ShardIds (reports), each item checked as it is decoded: a malformed one is
-  refused, the rest go on; the Evictor answers with :class:`NodeActions` (and one-way
-  sends a NodeStore its share of a decision);
+  boundary, every rank's and group's its batch holds), sent as :class:`OfferColumns`,
+  :class:`ShardOffer` (restore) and ShardIds (reports), each item checked as it is
+  decoded: a malformed one is refused, the rest go on; the Evictor answers with
+  :class:`NodeActions` (and one-way sends a NodeStore its share of a decision);
 - a NodeStore -> another NodeStore: replica shards, ``(ShardId, ShardMeta)`` each;
-- the scheduler -> the Evictor: lookups, answered with :class:`LookupAnswer`, and
-  residency events (:class:`EventBatch`).
+- the scheduler -> the Evictor: lookups, answered with :class:`LookupAnswer` (sent as
+  :class:`AnswerColumns`), and residency events (:class:`EventBatch`).
 
 Ray serializes with msgpack first: a NamedTuple nested in a list arrives as a plain
-list, an enum as its value, a dataclass as itself (pickled). The ``*_of`` functions
+list, an enum as its value, a dataclass as itself (pickled). The Evictor's batches of
+offers and answers cross as columns (a few byte strings each, one object): pickling,
+checking and rebuilding a tuple per item was most of a 1,000-key call. The ``*_of`` functions
 rebuild tierstore's types; the ``check_*`` ones also check every field of a message
 from a process that is trusted with nothing (:mod:`tierstore.fields`), raising
 :class:`~tierstore.fields.MalformedField`. Clients apply them to answers, actors to
