@@ -43,6 +43,7 @@ from tierstore.wire import (
     metas_of,
     node_load_of,
     nodes_of,
+    offer_columns,
     pins_of,
     pull_states_of,
     resized_of,
@@ -88,12 +89,16 @@ class EvictorClient:
     def admit(
         self, node_id: str, offers: list[ShardOffer]
     ) -> Pending[tuple[list[bool], NodeActions]]:
-        return self._call("admit", node_id, offers, convert=decision_of)
+        """Sends ``offers`` as columns (:func:`~tierstore.wire.offer_columns`)."""
+        return self._call("admit", node_id, offer_columns(offers), convert=decision_of)
 
     def admit_units(
         self, node_id: str, units: list[UnitOffer]
     ) -> Pending[tuple[list[list[bool]], NodeActions]]:
-        return self._call("admit_units", node_id, units, convert=unit_decision_of)
+        """Sends ``units`` as columns: their shards, and how many each unit has."""
+        shards = [offer for unit in units for offer in unit.shards]
+        columns = offer_columns(shards, [len(unit.shards) for unit in units])
+        return self._call("admit_units", node_id, columns, convert=unit_decision_of)
 
     def restore(
         self, node_id: str, held: list[tuple[ShardOffer, TierName]], grace: bool = False
@@ -108,6 +113,8 @@ class EvictorClient:
         lease_ttl_s: float,
         node_id: str | None = None,
     ) -> Pending[list[LookupAnswer]]:
+        """Answered as columns (:class:`~tierstore.wire.AnswerColumns`), rebuilt into
+        one LookupAnswer per key by ``result`` (on the caller's thread)."""
         return self._call(
             "lookup", namespace, keys, holder, lease_ttl_s, node_id, convert=answers_of
         )

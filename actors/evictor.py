@@ -31,12 +31,14 @@ from tierstore.fields import MalformedField, integer
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.wire import (
     MAX_ENTRIES,
+    AnswerColumns,
     EventBatch,
     LookupAnswer,
     LookupState,
     NodeActions,
+    OfferColumns,
     ShardOffer,
-    UnitOffer,
+    answer_columns,
     checked_shard_ids,
     held_of,
     held_shard,
@@ -95,6 +97,10 @@ class Evictor:
             target=self._tick, args=(me,), name="tierstore-reconcile", daemon=True
         )
         self._ticker.start()
+        # What this process holds now (Ray's and tierstore's modules) lives as long as it:
+        # out of the cyclic GC's sight from the start, as the index is after each
+        # reconcile, so a young Evictor's first full collection does not scan it.
+        gc.freeze()
 
     def _tick(self, me: EvictorClient) -> None:
         """The ticker thread: a failed reconcile is logged and counted, never its end."""
@@ -157,36 +163,39 @@ class Evictor:
             self._store_ids[node] = store_id
         self._index.register_node(node, cpu_bytes, disk_bytes)
 
-    def admit(self, node_id: str, offers: list[ShardOffer]) -> tuple[list[bool], NodeActions]:
-        """A malformed offer is refused (counted), never indexed; the rest go on."""
+    def admit(self, node_id: str, offers: OfferColumns) -> tuple[list[bool], NodeActions]:
+        """A NodeStore's offers, as columns (:class:`~tierstore.wire.OfferColumns`): one
+        admission decision each. A malformed offer is refused (counted), never indexed;
+        the rest go on. A malformed message raises MalformedField, nothing indexed."""
         checked = self._checked(offers_of(offers))
         shard_offers = [o for o in checked if o is not None]
         before = self._evictions()
         result = self._index.admit(NodeId(node_id), shard_offers, time.monotonic())
         self._pressed(NodeId(node_id), before)
-        admitted = [_shard_of(o) for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
-        self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
+        admitted = [o for o, ok in zip(shard_offers, result.accepted, strict=True) if ok]
+        self._events.record_offers(NodeId(node_id), TierName.CPU, admitted)
         own = self._send(result.actions, caller=NodeId(node_id))
         return _spread(checked, result.accepted), own
 
     def admit_units(
-        self, node_id: str, units: list[UnitOffer]
+        self, node_id: str, units: OfferColumns
     ) -> tuple[list[list[bool]], NodeActions]:
         """A NodeStore's batch, one offer per token boundary (every rank's and group's
-        shards it holds): one admission decision each. A malformed unit is refused whole
-        (counted), never indexed; the rest go on."""
+        shards it holds), as columns with the units' sizes: one admission decision each.
+        A malformed unit is refused whole (counted), never indexed; the rest go on. A
+        malformed message raises MalformedField, nothing indexed."""
         checked = self._checked(unit_offers_of(units))
         good = [u for u in checked if u is not None]
         before = self._evictions()
         result = self._index.admit_units(NodeId(node_id), good, time.monotonic())
         self._pressed(NodeId(node_id), before)
         admitted = [
-            _shard_of(o)
+            o
             for unit, flags in zip(good, result.accepted, strict=True)
             for o, ok in zip(unit.shards, flags, strict=True)
             if ok
         ]
-        self._events.record(NodeId(node_id), TierName.CPU, False, admitted)
+        self._events.record_offers(NodeId(node_id), TierName.CPU, admitted)
         own = self._send(result.actions, caller=NodeId(node_id))
         answers = iter(result.accepted)  # a refused unit's answer: no flag (none kept)
         return [next(answers) if u is not None else [] for u in checked], own
@@ -220,8 +229,9 @@ class Evictor:
         holder: str,
         lease_ttl_s: float,
         node_id: str | None = None,
-    ) -> list[LookupAnswer]:
-        """``node_id``: the asking engine's node, so a replica there is named first."""
+    ) -> AnswerColumns:
+        """``node_id``: the asking engine's node, so a replica there is named first.
+        Answered as columns (:func:`~tierstore.wire.answer_columns`), one per key."""
         self._asked += 1
         answers, actions = self._index.lookup(
             namespace,
@@ -234,7 +244,7 @@ class Evictor:
         self._send(actions)
         if node_id and self._cfg.pulls_per_node:
             self._start_pulls(namespace, keys, answers, NodeId(node_id))
-        return answers
+        return answer_columns(answers)
 
     def _start_pulls(
         self, namespace: Namespace, keys: list[ChunkKey], answers: list[LookupAnswer], node: NodeId

@@ -48,6 +48,19 @@ class MalformedField(TierStoreError, ValueError):
         super().__init__(f"{field} = {shown}: {why}")
         self.field = field
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickled as its field and message: an actor's refusal reaches its caller (Ray
+        pickles the error) as this error, not one Ray cannot rebuild."""
+        return (_rebuilt, (self.field, str(self)))
+
+
+def _rebuilt(field: str, message: str) -> MalformedField:
+    """A MalformedField as pickled (:meth:`MalformedField.__reduce__`)."""
+    error = MalformedField.__new__(MalformedField)
+    ValueError.__init__(error, message)
+    error.field = field
+    return error
+
 
 def integer(field: str, value: object, low: int, high: int) -> int:
     """``value`` as an int in ``[low, high)``: an int or numpy integer, never a bool or a

@@ -6,16 +6,18 @@ Who sends what (each arrow a Ray call, or for the arena a word in shared memory)
   :func:`check_job`, before anything changes); the NodeStore answers with
   :class:`ShardMeta` (loads, pins) and :class:`RegionInfo` (the arena to map);
 - a NodeStore -> the Evictor: :class:`UnitOffer` (admit: the shards of one token
-  boundary, every rank's and group's its batch holds), :class:`ShardOffer` (restore)
-  and ShardIds (reports), each item checked as it is decoded: a malformed one is
-  refused, the rest go on; the Evictor answers with :class:`NodeActions` (and one-way
-  sends a NodeStore its share of a decision);
+  boundary, every rank's and group's its batch holds), sent as :class:`OfferColumns`,
+  :class:`ShardOffer` (restore) and ShardIds (reports), each item checked as it is
+  decoded: a malformed one is refused, the rest go on; the Evictor answers with
+  :class:`NodeActions` (and one-way sends a NodeStore its share of a decision);
 - a NodeStore -> another NodeStore: replica shards, ``(ShardId, ShardMeta)`` each;
-- the scheduler -> the Evictor: lookups, answered with :class:`LookupAnswer`, and
-  residency events (:class:`EventBatch`).
+- the scheduler -> the Evictor: lookups, answered with :class:`LookupAnswer` (sent as
+  :class:`AnswerColumns`), and residency events (:class:`EventBatch`).
 
 Ray serializes with msgpack first: a NamedTuple nested in a list arrives as a plain
-list, an enum as its value, a dataclass as itself (pickled). The ``*_of`` functions
+list, an enum as its value, a dataclass as itself (pickled). The Evictor's batches of
+offers and answers cross as columns (a few byte strings each, one object): pickling,
+checking and rebuilding a tuple per item was most of a 1,000-key call. The ``*_of`` functions
 rebuild tierstore's types; the ``check_*`` ones also check every field of a message
 from a process that is trusted with nothing (:mod:`tierstore.fields`), raising
 :class:`~tierstore.fields.MalformedField`. Clients apply them to answers, actors to
@@ -34,6 +36,7 @@ one) is read as root 0.
 from __future__ import annotations
 
 import logging
+import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -295,6 +298,13 @@ def check_unit_offer(value: object, field: str = "unit") -> UnitOffer:
         check_offer(v, f"{field}.shards[{i}]")
         for i, v in enumerate(items(f"{field}.shards", shard_values, MAX_ENTRIES))
     ]
+    return unit_of_checked(shards, field)
+
+
+def unit_of_checked(shards: list[ShardOffer], field: str = "unit") -> UnitOffer:
+    """A unit of shards each already checked (:func:`check_offer`), checked as one: at
+    least one shard, one namespace, token boundary and root, one world size per key, no
+    (key, rank) twice. Raises MalformedField naming the field."""
     if not shards:
         raise MalformedField(f"{field}.shards", shards, "no shard")
     first = shards[0]
@@ -341,12 +351,6 @@ def per_shard(
     return [flag.get((o.namespace, o.key, o.rank), False) for o in offers]
 
 
-def unit_offers_of(values: object) -> list[UnitOffer | None]:
-    """``admit_units``' offers, checked (:func:`check_unit_offer`); None for each unit
-    refused."""
-    return checked_items(values, check_unit_offer, "unit offer")
-
-
 def check_held(value: object, field: str = "held") -> tuple[ShardOffer, TierName]:
     """A copy a NodeStore offers at restore: ``(offer, tier)``, checked."""
     offer, tier = row(field, value, 2, 2)
@@ -379,11 +383,6 @@ def checked_items(values: object, check: Callable[[object], T], what: str) -> li
     return checked
 
 
-def offers_of(values: object) -> list[ShardOffer | None]:
-    """``admit``'s offers, checked (:func:`check_offer`); None for each one refused."""
-    return checked_items(values, check_offer, "offer")
-
-
 def held_of(values: object) -> list[tuple[ShardOffer, TierName] | None]:
     """``restore``'s copies, checked (:func:`check_held`); None for each one refused."""
     return checked_items(values, check_held, "held copy")
@@ -392,6 +391,315 @@ def held_of(values: object) -> list[tuple[ShardOffer, TierName] | None]:
 def checked_shard_ids(values: object) -> list[ShardId | None]:
     """ShardIds a NodeStore reports, checked (:func:`tierstore.fields.check_shard_id`)."""
     return checked_items(values, check_shard_id, "shard id")
+
+
+# ---- offers as columns (admit, admit_units) ----------------------------------------------
+_U8 = np.dtype("u1")
+_U32 = np.dtype("<u4")
+_I64 = np.dtype("<i8")
+_U64 = np.dtype("<u8")
+
+
+class OfferColumns(NamedTuple):
+    """A NodeStore's batch of offers as columns: what ``admit`` and ``admit_units``
+    carry (one object of a few byte strings, not one tuple per offer to pickle, check
+    and rebuild). Made by :func:`offer_columns` only; read by :func:`offers_of` and
+    :func:`unit_offers_of`.
+
+    Per offer, in order: its namespace (an index into ``namespaces``), its key's length
+    (the key is the next bytes of ``keys``), whether it has a parent (then the next bytes
+    of ``parents``, as many as its key's), rank, world size, nbytes and root. Numbers are
+    little-endian. ``unit_sizes``: how many of the offers, in order, each unit offer has
+    (``admit_units``); empty for ``admit``."""
+
+    namespaces: list[str]
+    namespace_of: bytes  # uint32 per offer
+    keys: bytes  # every key, concatenated
+    key_lengths: bytes  # uint8 per offer
+    parents: bytes  # the parents there are, concatenated
+    has_parent: bytes  # uint8 per offer: 1 when it has a parent, else 0
+    ranks: bytes  # uint32 per offer
+    world_sizes: bytes  # uint32 per offer
+    nbytes: bytes  # int64 per offer
+    roots: bytes  # uint64 per offer
+    unit_sizes: bytes = b""  # uint32 per unit offer
+
+
+def offer_columns(offers: Sequence[ShardOffer], unit_sizes: Sequence[int] = ()) -> OfferColumns:
+    """``offers`` (and, for ``admit_units``, the sizes of the units they make, in order)
+    as one message. The caller's own offers: raises ValueError for one no column can
+    carry (a parent of another length than its key, a number out of its column's range:
+    the Evictor would refuse it anyway)."""
+    columns: tuple[Sequence[Any], ...] = tuple(zip(*offers, strict=True)) if offers else ((),) * 7
+    namespaces, keys, ranks, worlds, sizes, parents, roots = columns
+    table: dict[str, int] = {}
+    namespace_of = [table.setdefault(ns, len(table)) for ns in namespaces]
+    present = [p for p in parents if p is not None]
+    if any(p is not None and len(p) != len(k) for k, p in zip(keys, parents, strict=True)):
+        raise ValueError("an offer's parent is not as long as its key")
+    try:
+        return OfferColumns(
+            list(table),
+            np.array(namespace_of, _U32).tobytes(),
+            b"".join(keys),
+            bytes(map(len, keys)),
+            b"".join(present),
+            bytes([p is not None for p in parents]),
+            np.array(ranks, _U32).tobytes(),
+            np.array(worlds, _U32).tobytes(),
+            np.array(sizes, _I64).tobytes(),
+            np.array(roots, _U64).tobytes(),
+            np.array(unit_sizes, _U32).tobytes(),
+        )
+    except OverflowError as exc:
+        raise ValueError(f"an offer's field is outside its column's range: {exc}") from exc
+
+
+def _width(field: str, value: object, itemsize: int, n: int | None) -> int:
+    """How many items of ``itemsize`` bytes the column ``value`` holds: bytes, ``n`` of
+    them (any whole number when ``n`` is None). Raises MalformedField."""
+    if not isinstance(value, bytes):
+        raise MalformedField(field, type(value).__name__, "not bytes")
+    if len(value) % itemsize or (n is not None and len(value) != n * itemsize):
+        want = "whole items" if n is None else f"{n} items"
+        raise MalformedField(field, f"{len(value)} bytes", f"not {want} of {itemsize}")
+    return len(value) // itemsize
+
+
+def _column(field: str, value: object, dtype: np.dtype[Any], n: int | None = None) -> np.ndarray:
+    """A fixed-width column of a message as an array (:func:`_width`)."""
+    _width(field, value, dtype.itemsize, n)
+    return np.frombuffer(value, dtype)  # type: ignore[call-overload]  # bytes: checked
+
+
+def _ints(field: str, value: object, code: str, n: int) -> tuple[int, ...]:
+    """A fixed-width column of a small message as ints (``code``: a struct format
+    letter, little-endian), without numpy (see :data:`_SMALL`)."""
+    _width(field, value, struct.calcsize(code), n)
+    return struct.unpack(f"<{n}{code}", value)  # type: ignore[arg-type]  # bytes: checked
+
+
+def _slices(blob: bytes, lengths: np.ndarray) -> list[bytes]:
+    ends = np.cumsum(lengths)
+    return [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist(), strict=True)]
+
+
+def _group_too_large(blob: bytes, lengths: np.ndarray) -> np.ndarray:
+    """Per key of ``blob`` (lengths ``lengths``, each at least GROUP_BYTES long where it
+    matters): whether its KV cache group index is not below MAX_GROUPS."""
+    if not len(lengths):
+        return np.zeros(0, bool)
+    data = np.frombuffer(blob + bytes(fields.GROUP_BYTES), _U8)
+    first = np.maximum(np.cumsum(lengths) - fields.GROUP_BYTES, 0)
+    suffixes = data[first[:, None] + np.arange(fields.GROUP_BYTES)]  # one row per key
+    groups = suffixes.view(f">u{fields.GROUP_BYTES}")[:, 0]  # big-endian
+    too_large: np.ndarray = groups >= fields.MAX_GROUPS
+    return too_large
+
+
+class _Rows(NamedTuple):
+    """A message's offer columns as arrays, each of its length checked."""
+
+    lengths: np.ndarray  # key lengths, int64
+    namespace_of: np.ndarray
+    has_parent: np.ndarray  # bool
+    ranks: np.ndarray
+    worlds: np.ndarray
+    sizes: np.ndarray
+    roots: np.ndarray
+
+
+def _arrays(cols: OfferColumns) -> _Rows:
+    """``cols``' columns as arrays, each of the message's length and its blobs of their
+    lengths' sums. Raises MalformedField (its offers cannot be told apart)."""
+    lengths = _column("offers.key_lengths", cols.key_lengths, _U8).astype(np.int64)
+    n = len(lengths)
+    flags = _column("offers.has_parent", cols.has_parent, _U8, n)
+    if np.any(flags > 1):
+        raise MalformedField("offers.has_parent", cols.has_parent[:8], "not 0 or 1")
+    arrays = _Rows(
+        lengths,
+        _column("offers.namespace_of", cols.namespace_of, _U32, n),
+        flags == 1,
+        _column("offers.ranks", cols.ranks, _U32, n),
+        _column("offers.world_sizes", cols.world_sizes, _U32, n),
+        _column("offers.nbytes", cols.nbytes, _I64, n),
+        _column("offers.roots", cols.roots, _U64, n),
+    )
+    if not isinstance(cols.keys, bytes) or len(cols.keys) != int(lengths.sum()):
+        raise MalformedField("offers.keys", _size_of(cols.keys), "not its key lengths' sum")
+    parent_bytes = int(lengths[arrays.has_parent].sum())
+    if not isinstance(cols.parents, bytes) or len(cols.parents) != parent_bytes:
+        raise MalformedField("offers.parents", _size_of(cols.parents), "not its parents' sum")
+    return arrays
+
+
+# Offers up to which a message is checked row by row (check_offer itself) rather than
+# column by column: numpy's fixed cost per call, paid some 30 times, is more than a few
+# rows' checks (an Evictor's single-offer admit took 3x as long through the columns).
+_SMALL = 16
+
+
+def _small_rows(cols: OfferColumns) -> list[tuple[object, ...]]:
+    """A small message's offers as raw rows for :func:`check_offer` (a namespace index
+    out of range left as the index: not a namespace). Raises MalformedField as
+    :func:`_arrays` does."""
+    lengths = list(cols.key_lengths)
+    n = len(lengths)
+    ns_of = _ints("offers.namespace_of", cols.namespace_of, "I", n)
+    flags = _ints("offers.has_parent", cols.has_parent, "B", n)
+    if any(flag > 1 for flag in flags):
+        raise MalformedField("offers.has_parent", cols.has_parent[:8], "not 0 or 1")
+    numbers = zip(
+        _ints("offers.ranks", cols.ranks, "I", n),
+        _ints("offers.world_sizes", cols.world_sizes, "I", n),
+        _ints("offers.nbytes", cols.nbytes, "q", n),
+        _ints("offers.roots", cols.roots, "Q", n),
+        strict=True,
+    )
+    if not isinstance(cols.keys, bytes) or len(cols.keys) != sum(lengths):
+        raise MalformedField("offers.keys", _size_of(cols.keys), "not its key lengths' sum")
+    parent_bytes = sum(length for length, flag in zip(lengths, flags, strict=True) if flag)
+    if not isinstance(cols.parents, bytes) or len(cols.parents) != parent_bytes:
+        raise MalformedField("offers.parents", _size_of(cols.parents), "not its parents' sum")
+    namespaces = items("offers.namespaces", cols.namespaces, MAX_ITEMS)
+    rows: list[tuple[object, ...]] = []
+    at = parent_at = 0
+    for i, (rank, world, size, root) in enumerate(numbers):
+        length = lengths[i]
+        key, at = cols.keys[at : at + length], at + length
+        parent = cols.parents[parent_at : parent_at + length] if flags[i] else None
+        parent_at += length if flags[i] else 0
+        namespace = namespaces[ns_of[i]] if ns_of[i] < len(namespaces) else ns_of[i]
+        rows.append((namespace, key, rank, world, size, parent, root))
+    return rows
+
+
+def _checked_offers(value: object, what: str) -> tuple[list[ShardOffer | None], OfferColumns]:
+    """A message's offers, each checked as :func:`check_offer` does (row by row when the
+    message is small, else column by column); None for each one refused, logged (how
+    many, and the first one's field and value). Raises MalformedField for a message
+    that is not OfferColumns or whose columns do not fit together."""
+    if not isinstance(value, OfferColumns):
+        raise MalformedField("offers", type(value).__name__, "not OfferColumns")
+    checked: list[ShardOffer | None] = []
+    if isinstance(value.key_lengths, bytes) and len(value.key_lengths) <= _SMALL:
+        rows = _small_rows(value)
+        first_refusal = None
+        for i, row_ in enumerate(rows):
+            try:
+                checked.append(check_offer(row_))
+            except MalformedField as exc:
+                checked.append(None)
+                first_refusal = first_refusal or (i, str(exc))
+    else:
+        offers, bad = _offer_rows(value)
+        refused = np.flatnonzero(bad).tolist()
+        checked = list(offers)
+        for i in refused:
+            checked[i] = None
+        first_refusal = (refused[0], _why(offers[refused[0]])) if refused else None
+    if first_refusal is not None:
+        count = checked.count(None)
+        first, why = first_refusal
+        logger.warning(
+            "refused %d of %d %s(s); the first, %d: %s", count, len(checked), what, first, why
+        )
+    return checked, value
+
+
+def _why(offer: ShardOffer) -> str:
+    """What :func:`check_offer` says of a refused offer (the column checks found it)."""
+    try:
+        check_offer(offer)
+    except MalformedField as exc:
+        return str(exc)
+    return "its namespace is not one of the message's"
+
+
+def _offer_rows(value: OfferColumns) -> tuple[list[ShardOffer], np.ndarray]:
+    """The offers of a message as rows, and which of them are malformed (a field out of
+    range: that offer is refused, the rest go on), checked column by column. Raises
+    MalformedField for a message whose columns do not fit together."""
+    a = _arrays(value)
+    namespaces = items("offers.namespaces", value.namespaces, MAX_ITEMS)
+    ns_of = np.minimum(a.namespace_of, len(namespaces))  # len: not one of them
+    known = np.array([_is_namespace(ns) for ns in namespaces] + [False])
+    parent_lengths = a.lengths[a.has_parent]
+    bad = ~known[ns_of]
+    bad |= (a.lengths < fields.MIN_KEY_BYTES) | (a.lengths > fields.MAX_KEY_BYTES)
+    bad |= _group_too_large(value.keys, a.lengths)
+    if len(parent_lengths):
+        bad[a.has_parent] |= _group_too_large(value.parents, parent_lengths)
+    bad |= (a.worlds < 1) | (a.worlds >= fields.MAX_WORLD_SIZE) | (a.ranks >= a.worlds)
+    bad |= (a.sizes < 1) | (a.sizes >= MAX_SHARD_BYTES)
+    parents: list[bytes | None] = [None] * len(a.lengths)
+    with_parent = np.flatnonzero(a.has_parent).tolist()
+    for i, parent in zip(with_parent, _slices(value.parents, parent_lengths), strict=True):
+        parents[i] = parent
+    names = [*namespaces, ""]
+    rows = zip(
+        [names[i] for i in ns_of.tolist()],
+        _slices(value.keys, a.lengths),
+        a.ranks.tolist(),
+        a.worlds.tolist(),
+        a.sizes.tolist(),
+        parents,
+        a.roots.tolist(),
+        strict=True,
+    )
+    return [tuple.__new__(ShardOffer, r) for r in rows], bad
+
+
+def _size_of(value: object) -> str:
+    return f"{len(value)} bytes" if isinstance(value, bytes) else type(value).__name__
+
+
+def _is_namespace(value: object) -> bool:
+    try:
+        fields.namespace("namespace", value)
+    except MalformedField:
+        return False
+    return True
+
+
+def offers_of(value: object) -> list[ShardOffer | None]:
+    """``admit``'s offers (:class:`OfferColumns`, no units), every field checked as
+    :func:`check_offer` does; None for each one refused (logged). Raises MalformedField
+    for a malformed message: not OfferColumns, columns that do not fit together."""
+    checked, cols = _checked_offers(value, "offer")
+    if cols.unit_sizes:
+        raise MalformedField("offers.unit_sizes", _size_of(cols.unit_sizes), "admit takes no units")
+    return checked
+
+
+def unit_offers_of(value: object) -> list[UnitOffer | None]:
+    """``admit_units``' unit offers (:class:`OfferColumns`, ``unit_sizes`` splitting its
+    offers), each checked as :func:`check_unit_offer` does; None for each unit refused
+    whole (a shard of it malformed, or the unit inconsistent; logged). Raises
+    MalformedField for a malformed message (as :func:`offers_of`, or unit sizes that do
+    not add up to its offers)."""
+    shards, cols = _checked_offers(value, "unit offer shard")
+    n_units = _width("units.unit_sizes", cols.unit_sizes, _U32.itemsize, None)
+    sizes = _ints("units.unit_sizes", cols.unit_sizes, "I", n_units)
+    if sum(sizes) != len(shards):
+        raise MalformedField("units.unit_sizes", f"{sum(sizes)} shards", f"not {len(shards)}")
+    units: list[UnitOffer | None] = []
+    at = 0
+    for i, size in enumerate(sizes):
+        unit = shards[at : at + size]
+        at += size
+        if size == 1 and unit[0] is not None:
+            units.append(tuple.__new__(UnitOffer, (unit,)))  # checked: no None in it
+            continue
+        try:
+            if None in unit:
+                raise MalformedField(f"unit[{i}].shards", "a malformed shard", "refused above")
+            units.append(unit_of_checked(unit, f"unit[{i}]"))  # type: ignore[arg-type]
+        except MalformedField as exc:
+            logger.warning("refused unit offer %d: %s", i, exc)
+            units.append(None)
+    return units
 
 
 # ---- the Evictor's decisions --------------------------------------------------------------
@@ -482,15 +790,91 @@ class LookupAnswer(NamedTuple):
     tier: TierName | None = None
 
 
-def answers_of(values: Iterable[Any]) -> list[LookupAnswer]:
-    return [
-        LookupAnswer(
-            LookupState(state),
-            None if where is None else {int(r): NodeId(n) for r, n in where.items()},
-            None if tier is None else TierName(tier),
-        )
-        for state, where, tier in values
-    ]
+# A lookup answer's state and tier as AnswerColumns codes (their index here).
+_STATES = (LookupState.MISS, LookupState.HIT, LookupState.PENDING)
+_TIERS = (None, TierName.CPU, TierName.DISK)
+_STATE_CODES = {state: code for code, state in enumerate(_STATES)}
+_TIER_CODES = {tier: code for code, tier in enumerate(_TIERS)}
+# The answers without a ``where`` (immutable, so one object each serves every key).
+_WHEREVER = [[LookupAnswer(state, None, tier) for tier in _TIERS] for state in _STATES]
+
+
+class AnswerColumns(NamedTuple):
+    """A lookup's answers as columns, what ``lookup`` returns (one object of a few byte
+    strings, not a tuple, dict and two enums per key to pickle and rebuild). Made by
+    :func:`answer_columns`; read by :func:`answers_of`.
+
+    Per key, in order: its state and tier (codes: their place in ``_STATES``,
+    ``_TIERS``) and how many ranks its ``where`` names (-1: no ``where``); per rank
+    named, in order: the rank and its node (an index into ``nodes``). Numbers are
+    little-endian."""
+
+    states: bytes  # uint8 per key
+    tiers: bytes  # uint8 per key
+    where_sizes: bytes  # int32 per key
+    ranks: bytes  # uint32 per rank named
+    holders: bytes  # uint32 per rank named
+    nodes: list[str]
+
+    def count(self, state: LookupState) -> int:
+        """How many keys were answered ``state``."""
+        return self.states.count(_STATE_CODES[state])
+
+
+def answer_columns(answers: Sequence[LookupAnswer]) -> AnswerColumns:
+    """``answers`` (the index's, one per key) as one message (the Evictor's thread)."""
+    states, wheres, tiers = tuple(zip(*answers, strict=True)) if answers else ((), (), ())
+    nodes: dict[str, int] = {}
+    ranks: list[int] = []
+    holders: list[int] = []
+    for where in wheres:
+        if where:
+            ranks.extend(where)
+            holders.extend([nodes.setdefault(n, len(nodes)) for n in where.values()])
+    return AnswerColumns(
+        bytes(map(_STATE_CODES.__getitem__, states)),
+        bytes(map(_TIER_CODES.__getitem__, tiers)),
+        np.array([-1 if w is None else len(w) for w in wheres], "<i4").tobytes(),
+        np.array(ranks, _U32).tobytes(),
+        np.array(holders, _U32).tobytes(),
+        list(nodes),
+    )
+
+
+def answers_of(value: Any) -> list[LookupAnswer]:
+    """``lookup``'s answer (:class:`AnswerColumns`) as one LookupAnswer per key, each
+    ``where`` a dict of its own (the caller's thread: the scheduler's channel). Raises
+    ValueError (MalformedField) for columns that do not fit together or a code out of
+    range: never a wrong answer."""
+    if not isinstance(value, AnswerColumns):
+        raise MalformedField("answers", type(value).__name__, "not AnswerColumns")
+    n = len(_column("answers.states", value.states, _U8))
+    sizes = _column("answers.where_sizes", value.where_sizes, np.dtype("<i4"), n)
+    if np.any(sizes < -1):
+        raise MalformedField("answers.where_sizes", value.where_sizes[:32], "a size below -1")
+    named = int(sizes[sizes > 0].sum())
+    ranks = _column("answers.ranks", value.ranks, _U32, named).tolist()
+    holders = _column("answers.holders", value.holders, _U32, named)
+    nodes = items("answers.nodes", value.nodes, MAX_ITEMS)
+    if not all(isinstance(node, str) for node in nodes):
+        raise MalformedField("answers.nodes", nodes[:4], "not node ids")
+    codes = _column("answers.tiers", value.tiers, _U8, n)
+    if max(value.states, default=0) >= len(_STATES) or np.any(codes >= len(_TIERS)):
+        raise MalformedField("answers", value.states[:8], "a state or tier code out of range")
+    if np.any(holders >= len(nodes)):
+        raise MalformedField("answers.holders", value.holders[:32], "a node out of range")
+    where_of = [NodeId(nodes[h]) for h in holders.tolist()]
+    answers: list[LookupAnswer] = []
+    at = 0
+    for state, tier, size in zip(value.states, value.tiers, sizes.tolist(), strict=True):
+        if size < 0:
+            answers.append(_WHEREVER[state][tier])
+            continue
+        end = at + size
+        where = dict(zip(ranks[at:end], where_of[at:end], strict=True))
+        at = end
+        answers.append(tuple.__new__(LookupAnswer, (_STATES[state], where, _TIERS[tier])))
+    return answers
 
 
 def nodes_of(values: Iterable[Any]) -> list[NodeId | None]:

@@ -53,7 +53,6 @@ TURNS = 6  # the last turn's prompt: 112 chunks, 1,792 tokens
 CHUNK_BYTES = 4096  # the index only accounts bytes: none exist
 WORKING_SET_SHARE = 4  # the working set is this many times what the CPU tiers hold
 _LEASE_TTL_S = 30.0
-_HIT = LookupState.HIT.value
 _BENCH_NAMESPACE = "tierstore-bench-controlplane"
 
 
@@ -230,13 +229,13 @@ class Driver:
             client = self._clients[request.shard]
             holder = f"engine-{engine}/{n}"
             started = time.perf_counter()
-            # The answers as Ray decoded them (state, where, tier): rebuilding them
+            # The answers as Ray decoded them (wire.AnswerColumns): rebuilding them
             # (wire.answers_of) is the engine's manager's work, not the shard's.
             answers = ray.get(
                 client.lookup(NS, request.keys, holder, _LEASE_TTL_S, node).ref, timeout=120
             )
             took_ms = 1e3 * (time.perf_counter() - started)
-            hits = sum(1 for a in answers if a[0] == _HIT)
+            hits = answers.count(LookupState.HIT)
             admitted = 0
             if request.units is not None:
                 flags, _ = ray.get(client.admit_units(node, request.units).ref, timeout=120)

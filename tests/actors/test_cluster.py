@@ -19,6 +19,7 @@ from tierstore.actors.bootstrap import (
     shutdown_actors,
     this_node_id,
 )
+from tierstore.actors.clients import EvictorClient
 from tierstore.actors.placement import alive_node_ids, node_store_name
 
 from tests.support import LOOPBACK, simulated_cluster, wait_for
@@ -69,10 +70,11 @@ def test_every_node_gets_a_node_store_and_a_lost_node_takes_its_chunks(cluster: 
     # A chunk whose rank 1 lives on the new node: a HIT while the node is up...
     key = ChunkKey(b"\x01" * 8 + b"\0\0\0\0")
     head = ray.get_runtime_context().get_node_id()
-    ray.get(evictor.admit.remote(head, [ShardOffer(NS, key, 0, 2, 100)]))
-    ray.get(evictor.admit.remote(joined.node_id, [ShardOffer(NS, key, 1, 2, 100)]))
-    (answer,) = ray.get(evictor.lookup.remote(NS, [key], "t", 1.0))
-    assert LookupState(answer[0]) is LookupState.HIT
+    client = EvictorClient(evictor)
+    client.admit(head, [ShardOffer(NS, key, 0, 2, 100)]).result()
+    client.admit(joined.node_id, [ShardOffer(NS, key, 1, 2, 100)]).result()
+    (answer,) = client.lookup(NS, [key], "t", 1.0).result()
+    assert answer.state is LookupState.HIT
 
     # ...and forgotten everywhere once the node is gone: a miss, not a hang.
     cluster.remove_node(joined, allow_graceful=False)
@@ -82,8 +84,8 @@ def test_every_node_gets_a_node_store_and_a_lost_node_takes_its_chunks(cluster: 
         return joined.node_id not in status["nodes"]
 
     assert wait_for(forgotten, "the lost node forgotten", _WAIT_S)
-    (answer,) = ray.get(evictor.lookup.remote(NS, [key], "t", 1.0), timeout=10)
-    assert LookupState(answer[0]) is LookupState.MISS
+    (answer,) = client.lookup(NS, [key], "t", 1.0).result(timeout_s=10)
+    assert answer.state is LookupState.MISS
     head_status = ray.get(evictor.status.remote())["nodes"][head]
     assert head_status["cpu"]["used_bytes"] == 0  # rank 0's shard was dropped too
 

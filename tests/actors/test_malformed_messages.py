@@ -1,8 +1,8 @@
 """What a NodeStore sends the Evictor, and what a worker commits, is checked before any
 book changes: a malformed item is refused and counted, the rest go in.
 
-Real Ray: the Evictor actor takes offers, restored copies and shard ids as a NodeStore
-sends them (plain tuples, as msgpack delivers them); a real worker commits through the
+Real Ray: the Evictor actor takes offers (columns), restored copies and shard ids as a
+NodeStore sends them (plain tuples, as msgpack delivers them); a real worker commits through the
 node's real NodeStore, one of its store jobs carrying a malformed entry.
 """
 
@@ -18,10 +18,11 @@ from tests.support import poll, wait_for
 from tests.vllm.test_worker_arena import SRC, _pool_ready
 from tests.vllm.test_worker_roundtrip import NS, _drain, _keys, _kv, _lookup, _worker
 from tierstore.config import TierStoreConfig
+from tierstore.fields import MalformedField
 from tierstore.keys import ChunkKey, ShardId, TierName
 from tierstore.vllm.arena_jobs import ArenaJobs
 from tierstore.vllm.transfer_specs import StoreSpec
-from tierstore.wire import LookupState, ShardEntry
+from tierstore.wire import LookupState, ShardEntry, ShardOffer, offer_columns
 
 
 def _key(i: int) -> bytes:
@@ -51,24 +52,32 @@ def _malformed(evictor: Any) -> int:
 def test_the_evictor_refuses_malformed_offers_and_indexes_the_rest(cfg: TierStoreConfig) -> None:
     evictor, node = _evictor_on_this_node(cfg)
     offers = [
-        _offer(1),
-        _offer(2, nbytes=-1),  # negative size
-        _offer(3, key="a str key"),
-        _offer(4, key=b"\1" * 8 + (1 << 20).to_bytes(4, "big")),  # no such KV cache group
-        (NS, _key(5), 3, 2, 256, None),  # a rank outside its world
-        "garbage",
-        _offer(6),
+        ShardOffer(NS, _key(1), 0, 1, 256),
+        ShardOffer(NS, _key(2), 0, 1, -1),  # negative size
+        ShardOffer(NS, b"short", 0, 1, 256),  # a key of no KV cache group's length
+        ShardOffer(NS, b"\1" * 8 + (1 << 20).to_bytes(4, "big"), 0, 1, 256),  # no such group
+        ShardOffer(NS, _key(5), 3, 2, 256),  # a rank outside its world
+        ShardOffer("not a namespace", _key(6), 0, 1, 256),
+        ShardOffer(NS, _key(7), 0, 1, 256),
     ]
-    accepted, _ = ray.get(evictor.admit.remote(node, offers), timeout=30)
+    # Columns that do not fit together: refused whole (nothing indexed, nothing counted).
+    broken = offer_columns(offers)._replace(ranks=b"\0" * 3)
+    with pytest.raises(MalformedField, match=r"offers\.ranks"):
+        ray.get(evictor.admit.remote(node, broken), timeout=30)
+    with pytest.raises(MalformedField, match="not OfferColumns"):
+        ray.get(evictor.admit.remote(node, [tuple(o) for o in offers]), timeout=30)
+    assert not ray.get(evictor.index_view.remote(node), timeout=10)
+
+    accepted, _ = ray.get(evictor.admit.remote(node, offer_columns(offers)), timeout=30)
     assert accepted == [True, False, False, False, False, False, True]
     indexed = ray.get(evictor.index_view.remote(node), timeout=10)
-    assert {ShardId(*s).key for s, _ in indexed} == {_key(1), _key(6)}
+    assert {ShardId(*s).key for s, _ in indexed} == {_key(1), _key(7)}
     assert _malformed(evictor) == 5
 
     # Shard ids a NodeStore reports: the malformed one is refused, the good one applied.
     ray.get(evictor.forget_shards.remote(node, [(NS, _key(1), 0), (NS, 5, "x")]), timeout=10)
     indexed = ray.get(evictor.index_view.remote(node), timeout=10)
-    assert {ShardId(*s).key for s, _ in indexed} == {_key(6)}
+    assert {ShardId(*s).key for s, _ in indexed} == {_key(7)}
     assert _malformed(evictor) == 6
 
 

@@ -1,6 +1,6 @@
 """A NodeStore's unit offers (tierstore.wire.UnitOffer) as the Evictor decodes them: a
-well-formed one rebuilt from what msgpack delivers, a malformed one refused whole and
-named, the rest of the message going on."""
+well-formed one rebuilt from what msgpack delivers (or from columns), a malformed one
+refused whole and named, the rest of the message going on."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tierstore.wire import (
     ShardOffer,
     UnitOffer,
     check_unit_offer,
+    offer_columns,
     per_shard,
     unit_offers_of,
     units_of,
@@ -60,7 +61,8 @@ def test_a_malformed_unit_leaves_the_others_and_its_shards_are_refused() -> None
     offers = [offer(1, 0, 0), offer(1, 1, 0), offer(2, 0, 0)]
     units = units_of(offers)
     assert [len(u.shards) for u in units] == [2, 1]  # one per boundary, groups together
-    decoded = unit_offers_of([_flat(units[0]), [[["not", "an", "offer"]]]])
+    sent = [*units[0].shards, offer(2, 0, 0)._replace(nbytes=0)]  # the second: empty
+    decoded = unit_offers_of(offer_columns(sent, [2, 1]))
     assert decoded == [units[0], None]
     # The Evictor answers no flag for a refused unit: its shards are refused.
     assert per_shard(offers, units, [[True, False], []]) == [True, False, False]

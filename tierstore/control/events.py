@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from itertools import islice
 
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
-from tierstore.wire import EventBatch, ResidencyEvent
+from tierstore.wire import EventBatch, ResidencyEvent, ShardOffer
 
 __all__ = ["EventBatch", "EventLog", "ResidencyEvent"]
 
@@ -48,6 +48,15 @@ class EventLog:
     def record(self, node: NodeId, tier: TierName, removed: bool, shard_ids: list[ShardId]) -> None:
         """One entry per namespace."""
         self._append(node, removed, _by_tier_and_namespace((s, tier) for s in shard_ids))
+
+    def record_offers(self, node: NodeId, tier: TierName, offers: Iterable[ShardOffer]) -> None:
+        """Offers admitted into ``node``'s ``tier``: as :meth:`record` of their shards
+        (not removed), without building a ShardId each."""
+        groups: dict[tuple[TierName, Namespace], list[ChunkKey]] = {}
+        for offer in offers:
+            if offer.rank == 0:
+                groups.setdefault((tier, offer.namespace), []).append(offer.key)
+        self._append(node, False, groups)
 
     def record_held(
         self, node: NodeId, removed: bool, held: Iterable[tuple[ShardId, TierName]]
