@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e_hits": "tierstore.deploy.bench.e2e_hits",
     "evictor": "tierstore.deploy.bench.evictor",
     "crossnode": "tierstore.deploy.bench.crossnode",
+    "crossnode_hits": "tierstore.deploy.bench.crossnode_hits",
     "soak": "tierstore.deploy.bench.soak",
     "lookup": "tierstore.deploy.bench.lookup",
     "transport": "tierstore.deploy.bench.transport",
@@ -35,7 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "router": "tierstore.deploy.bench.router",
 }
 # Benchmarks that run vLLM engines: their files are named NAME-MODEL.
-_PER_MODEL = ("e2e", "e2e_hits", "longdoc", "multiround")
+_PER_MODEL = ("e2e", "e2e_hits", "crossnode_hits", "longdoc", "multiround")
 
 
 def _run(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -88,7 +89,8 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=["tiny", "0.1b"],
         default="tiny",
-        help="e2e, e2e_hits, longdoc, multiround: the tiny 2-layer Llama or the 0.1 B one "
+        help="e2e, e2e_hits, crossnode_hits, longdoc, multiround: the tiny 2-layer Llama or "
+        "the 0.1 B one "
         "(real-model KV proportions)",
     )
     parser.add_argument(
