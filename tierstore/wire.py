@@ -464,6 +464,10 @@ def offer_columns(offers: Sequence[ShardOffer], unit_sizes: Sequence[int] = ()) 
 
 
 def _slices(blob: bytes, lengths: np.ndarray) -> list[bytes]:
+    """``blob`` cut into byte strings of ``lengths`` (summing to its length: checked)."""
+    if len(lengths) and lengths[0] > 0 and np.all(lengths == lengths[0]):  # as one: faster
+        same: list[bytes] = np.frombuffer(blob, f"V{lengths[0]}").tolist()
+        return same
     ends = np.cumsum(lengths)
     return [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist(), strict=True)]
 
