@@ -39,7 +39,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from itertools import repeat
+from itertools import accumulate, repeat
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -689,21 +689,22 @@ def unit_offers_of(value: object) -> list[UnitOffer | None]:
         raise MalformedField("units.unit_sizes", f"{sum(sizes)} shards", f"not {len(shards)}")
     # Units known whole (checked column by column); the rest are checked one by one.
     whole = [False] * n_units if columns is None else _whole_units(cols, columns, sizes)
-    units: list[UnitOffer | None] = []
-    at = 0
-    for i, size in enumerate(sizes):
-        unit = shards[at : at + size]
-        at += size
-        if whole[i] or (size == 1 and unit[0] is not None):
-            units.append(tuple.__new__(UnitOffer, (unit,)))  # checked: no None in it
-            continue
+    ends = list(accumulate(sizes))
+    units: list[UnitOffer | None] = [
+        tuple.__new__(UnitOffer, (shards[end - size : end],))  # checked below if not whole
+        for size, end in zip(sizes, ends, strict=True)
+    ]
+    for i in (i for i, ok in enumerate(whole) if not ok):
+        unit = shards[ends[i] - sizes[i] : ends[i]]
+        if len(unit) == 1 and unit[0] is not None:
+            continue  # one well-formed shard: a unit
         try:
             if None in unit:
                 raise MalformedField(f"unit[{i}].shards", "a malformed shard", "refused above")
-            units.append(unit_of_checked(unit, f"unit[{i}]"))  # type: ignore[arg-type]
+            units[i] = unit_of_checked(unit, f"unit[{i}]")  # type: ignore[arg-type]
         except MalformedField as exc:
             logger.warning("refused unit offer %d: %s", i, exc)
-            units.append(None)
+            units[i] = None
     return units
 
 
