@@ -16,6 +16,8 @@ import gc
 import logging
 import threading
 import time
+from itertools import chain, compress
+from operator import itemgetter
 from typing import TypeVar
 
 import ray
@@ -189,14 +191,14 @@ class Evictor:
         before = self._evictions()
         result = self._index.admit_units(NodeId(node_id), good, time.monotonic())
         self._pressed(NodeId(node_id), before)
-        admitted = [
-            o
-            for unit, flags in zip(good, result.accepted, strict=True)
-            for o, ok in zip(unit.shards, flags, strict=True)
-            if ok
-        ]
-        self._events.record_offers(NodeId(node_id), TierName.CPU, admitted)
+        shards = list(chain.from_iterable(map(itemgetter(0), good)))  # each unit's, in order
+        flags = list(chain.from_iterable(result.accepted))
+        if len(result.accepted) != len(good) or len(flags) != len(shards):  # as zip(strict)
+            raise ValueError("the index answered other units or shards than it was offered")
+        self._events.record_offers(NodeId(node_id), TierName.CPU, compress(shards, flags))
         own = self._send(result.actions, caller=NodeId(node_id))
+        if len(good) == len(checked):
+            return result.accepted, own
         answers = iter(result.accepted)  # a refused unit's answer: no flag (none kept)
         return [next(answers) if u is not None else [] for u in checked], own
 

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import operator
 import re
+import struct
+from typing import Any
+
+import numpy as np
 
 from tierstore.errors import TierStoreError
 from tierstore.keys import ChunkKey, Namespace, ShardId
@@ -146,6 +150,31 @@ def items(field: str, value: object, most: int) -> list[object]:
     if len(value) > most:
         raise MalformedField(field, f"{len(value)} items", f"more than {most}")
     return list(value)
+
+
+def column_width(field: str, value: object, itemsize: int, n: int | None) -> int:
+    """How many items of ``itemsize`` bytes the column ``value`` (of a message sent as
+    columns, :class:`~tierstore.wire.OfferColumns`) holds: bytes, ``n`` of them (any
+    whole number when ``n`` is None)."""
+    if not isinstance(value, bytes):
+        raise MalformedField(field, type(value).__name__, "not bytes")
+    if len(value) % itemsize or (n is not None and len(value) != n * itemsize):
+        want = "whole items" if n is None else f"{n} items"
+        raise MalformedField(field, f"{len(value)} bytes", f"not {want} of {itemsize}")
+    return len(value) // itemsize
+
+
+def column(field: str, value: object, dtype: np.dtype[Any], n: int | None = None) -> np.ndarray:
+    """A fixed-width column as an array (:func:`column_width`)."""
+    column_width(field, value, dtype.itemsize, n)
+    return np.frombuffer(value, dtype)  # type: ignore[call-overload]  # bytes: checked
+
+
+def int_column(field: str, value: object, code: str, n: int) -> tuple[int, ...]:
+    """A fixed-width column of ``n`` items as ints (``code``: a struct format letter,
+    little-endian), without numpy (whose fixed cost per call outweighs a few items)."""
+    column_width(field, value, struct.calcsize(code), n)
+    return struct.unpack(f"<{n}{code}", value)  # type: ignore[arg-type]  # bytes: checked
 
 
 def check_shard_id(value: object, field: str = "shard") -> ShardId:

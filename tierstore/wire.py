@@ -36,10 +36,10 @@ one) is read as root 0.
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import accumulate, repeat
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -53,6 +53,9 @@ from tierstore.fields import (
     MalformedField,
     check_shard_id,
     chunk_key,
+    column,
+    column_width,
+    int_column,
     integer,
     items,
     parent_key,
@@ -432,19 +435,24 @@ def offer_columns(offers: Sequence[ShardOffer], unit_sizes: Sequence[int] = ()) 
     the Evictor would refuse it anyway)."""
     columns: tuple[Sequence[Any], ...] = tuple(zip(*offers, strict=True)) if offers else ((),) * 7
     namespaces, keys, ranks, worlds, sizes, parents, roots = columns
-    table: dict[str, int] = {}
-    namespace_of = [table.setdefault(ns, len(table)) for ns in namespaces]
+    table = {ns: i for i, ns in enumerate(dict.fromkeys(namespaces))}
+    key_lengths = bytes(map(len, keys))
+    has_parent = bytes([p is not None for p in parents])
     present = [p for p in parents if p is not None]
-    if any(p is not None and len(p) != len(k) for k, p in zip(keys, parents, strict=True)):
-        raise ValueError("an offer's parent is not as long as its key")
+    if present:  # each parent as long as its key
+        own = np.frombuffer(key_lengths, _U8)[np.frombuffer(has_parent, _U8) == 1]
+        if not np.array_equal(own, np.fromiter(map(len, present), np.int64, len(present))):
+            raise ValueError("an offer's parent is not as long as its key")
     try:
         return OfferColumns(
             list(table),
-            np.array(namespace_of, _U32).tobytes(),
+            bytes(_U32.itemsize * len(namespaces))  # every offer's the first (0)
+            if len(table) <= 1
+            else np.array([table[ns] for ns in namespaces], _U32).tobytes(),
             b"".join(keys),
-            bytes(map(len, keys)),
+            key_lengths,
             b"".join(present),
-            bytes([p is not None for p in parents]),
+            has_parent,
             np.array(ranks, _U32).tobytes(),
             np.array(worlds, _U32).tobytes(),
             np.array(sizes, _I64).tobytes(),
@@ -455,46 +463,25 @@ def offer_columns(offers: Sequence[ShardOffer], unit_sizes: Sequence[int] = ()) 
         raise ValueError(f"an offer's field is outside its column's range: {exc}") from exc
 
 
-def _width(field: str, value: object, itemsize: int, n: int | None) -> int:
-    """How many items of ``itemsize`` bytes the column ``value`` holds: bytes, ``n`` of
-    them (any whole number when ``n`` is None). Raises MalformedField."""
-    if not isinstance(value, bytes):
-        raise MalformedField(field, type(value).__name__, "not bytes")
-    if len(value) % itemsize or (n is not None and len(value) != n * itemsize):
-        want = "whole items" if n is None else f"{n} items"
-        raise MalformedField(field, f"{len(value)} bytes", f"not {want} of {itemsize}")
-    return len(value) // itemsize
-
-
-def _column(field: str, value: object, dtype: np.dtype[Any], n: int | None = None) -> np.ndarray:
-    """A fixed-width column of a message as an array (:func:`_width`)."""
-    _width(field, value, dtype.itemsize, n)
-    return np.frombuffer(value, dtype)  # type: ignore[call-overload]  # bytes: checked
-
-
-def _ints(field: str, value: object, code: str, n: int) -> tuple[int, ...]:
-    """A fixed-width column of a small message as ints (``code``: a struct format
-    letter, little-endian), without numpy (see :data:`_SMALL`)."""
-    _width(field, value, struct.calcsize(code), n)
-    return struct.unpack(f"<{n}{code}", value)  # type: ignore[arg-type]  # bytes: checked
-
-
 def _slices(blob: bytes, lengths: np.ndarray) -> list[bytes]:
+    """``blob`` cut into byte strings of ``lengths`` (summing to its length: checked)."""
+    if len(lengths) and lengths[0] > 0 and np.all(lengths == lengths[0]):  # as one: faster
+        same: list[bytes] = np.frombuffer(blob, f"V{lengths[0]}").tolist()
+        return same
     ends = np.cumsum(lengths)
     return [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist(), strict=True)]
 
 
-def _group_too_large(blob: bytes, lengths: np.ndarray) -> np.ndarray:
+def _groups(blob: bytes, lengths: np.ndarray) -> np.ndarray:
     """Per key of ``blob`` (lengths ``lengths``, each at least GROUP_BYTES long where it
-    matters): whether its KV cache group index is not below MAX_GROUPS."""
+    matters): its KV cache group index (its last GROUP_BYTES, big-endian)."""
     if not len(lengths):
-        return np.zeros(0, bool)
+        return np.zeros(0, np.uint32)
     data = np.frombuffer(blob + bytes(fields.GROUP_BYTES), _U8)
     first = np.maximum(np.cumsum(lengths) - fields.GROUP_BYTES, 0)
     suffixes = data[first[:, None] + np.arange(fields.GROUP_BYTES)]  # one row per key
-    groups = suffixes.view(f">u{fields.GROUP_BYTES}")[:, 0]  # big-endian
-    too_large: np.ndarray = groups >= fields.MAX_GROUPS
-    return too_large
+    groups: np.ndarray = suffixes.view(f">u{fields.GROUP_BYTES}")[:, 0]
+    return groups
 
 
 class _Rows(NamedTuple):
@@ -509,22 +496,31 @@ class _Rows(NamedTuple):
     roots: np.ndarray
 
 
+class _Checked(NamedTuple):
+    """A message's offers checked column by column (:func:`_offer_rows`): its arrays,
+    each key's KV cache group (uint32) and which offers are malformed (bool)."""
+
+    rows: _Rows
+    groups: np.ndarray
+    bad: np.ndarray
+
+
 def _arrays(cols: OfferColumns) -> _Rows:
     """``cols``' columns as arrays, each of the message's length and its blobs of their
     lengths' sums. Raises MalformedField (its offers cannot be told apart)."""
-    lengths = _column("offers.key_lengths", cols.key_lengths, _U8).astype(np.int64)
+    lengths = column("offers.key_lengths", cols.key_lengths, _U8).astype(np.int64)
     n = len(lengths)
-    flags = _column("offers.has_parent", cols.has_parent, _U8, n)
+    flags = column("offers.has_parent", cols.has_parent, _U8, n)
     if np.any(flags > 1):
         raise MalformedField("offers.has_parent", cols.has_parent[:8], "not 0 or 1")
     arrays = _Rows(
         lengths,
-        _column("offers.namespace_of", cols.namespace_of, _U32, n),
+        column("offers.namespace_of", cols.namespace_of, _U32, n),
         flags == 1,
-        _column("offers.ranks", cols.ranks, _U32, n),
-        _column("offers.world_sizes", cols.world_sizes, _U32, n),
-        _column("offers.nbytes", cols.nbytes, _I64, n),
-        _column("offers.roots", cols.roots, _U64, n),
+        column("offers.ranks", cols.ranks, _U32, n),
+        column("offers.world_sizes", cols.world_sizes, _U32, n),
+        column("offers.nbytes", cols.nbytes, _I64, n),
+        column("offers.roots", cols.roots, _U64, n),
     )
     if not isinstance(cols.keys, bytes) or len(cols.keys) != int(lengths.sum()):
         raise MalformedField("offers.keys", _size_of(cols.keys), "not its key lengths' sum")
@@ -546,15 +542,15 @@ def _small_rows(cols: OfferColumns) -> list[tuple[object, ...]]:
     :func:`_arrays` does."""
     lengths = list(cols.key_lengths)
     n = len(lengths)
-    ns_of = _ints("offers.namespace_of", cols.namespace_of, "I", n)
-    flags = _ints("offers.has_parent", cols.has_parent, "B", n)
+    ns_of = int_column("offers.namespace_of", cols.namespace_of, "I", n)
+    flags = int_column("offers.has_parent", cols.has_parent, "B", n)
     if any(flag > 1 for flag in flags):
         raise MalformedField("offers.has_parent", cols.has_parent[:8], "not 0 or 1")
     numbers = zip(
-        _ints("offers.ranks", cols.ranks, "I", n),
-        _ints("offers.world_sizes", cols.world_sizes, "I", n),
-        _ints("offers.nbytes", cols.nbytes, "q", n),
-        _ints("offers.roots", cols.roots, "Q", n),
+        int_column("offers.ranks", cols.ranks, "I", n),
+        int_column("offers.world_sizes", cols.world_sizes, "I", n),
+        int_column("offers.nbytes", cols.nbytes, "q", n),
+        int_column("offers.roots", cols.roots, "Q", n),
         strict=True,
     )
     if not isinstance(cols.keys, bytes) or len(cols.keys) != sum(lengths):
@@ -575,14 +571,18 @@ def _small_rows(cols: OfferColumns) -> list[tuple[object, ...]]:
     return rows
 
 
-def _checked_offers(value: object, what: str) -> tuple[list[ShardOffer | None], OfferColumns]:
+def _checked_offers(
+    value: object, what: str
+) -> tuple[list[ShardOffer | None], OfferColumns, _Checked | None]:
     """A message's offers, each checked as :func:`check_offer` does (row by row when the
     message is small, else column by column); None for each one refused, logged (how
-    many, and the first one's field and value). Raises MalformedField for a message
+    many, and the first one's field and value); and, when checked column by column, what
+    that check found (:class:`_Checked`, else None). Raises MalformedField for a message
     that is not OfferColumns or whose columns do not fit together."""
     if not isinstance(value, OfferColumns):
         raise MalformedField("offers", type(value).__name__, "not OfferColumns")
     checked: list[ShardOffer | None] = []
+    columns = None
     if isinstance(value.key_lengths, bytes) and len(value.key_lengths) <= _SMALL:
         rows = _small_rows(value)
         first_refusal = None
@@ -593,8 +593,8 @@ def _checked_offers(value: object, what: str) -> tuple[list[ShardOffer | None], 
                 checked.append(None)
                 first_refusal = first_refusal or (i, str(exc))
     else:
-        offers, bad = _offer_rows(value)
-        refused = np.flatnonzero(bad).tolist()
+        offers, columns = _offer_rows(value)
+        refused = np.flatnonzero(columns.bad).tolist()
         checked = list(offers)
         for i in refused:
             checked[i] = None
@@ -605,7 +605,7 @@ def _checked_offers(value: object, what: str) -> tuple[list[ShardOffer | None], 
         logger.warning(
             "refused %d of %d %s(s); the first, %d: %s", count, len(checked), what, first, why
         )
-    return checked, value
+    return checked, value, columns
 
 
 def _why(offer: ShardOffer) -> str:
@@ -617,10 +617,11 @@ def _why(offer: ShardOffer) -> str:
     return "its namespace is not one of the message's"
 
 
-def _offer_rows(value: OfferColumns) -> tuple[list[ShardOffer], np.ndarray]:
-    """The offers of a message as rows, and which of them are malformed (a field out of
-    range: that offer is refused, the rest go on), checked column by column. Raises
-    MalformedField for a message whose columns do not fit together."""
+def _offer_rows(value: OfferColumns) -> tuple[list[ShardOffer], _Checked]:
+    """The offers of a message as rows, and its columns as arrays with each key's group
+    and which offers are malformed (a field out of range: that offer is refused, the
+    rest go on), checked column by column. Raises MalformedField for a message whose
+    columns do not fit together."""
     a = _arrays(value)
     namespaces = items("offers.namespaces", value.namespaces, MAX_ITEMS)
     ns_of = np.minimum(a.namespace_of, len(namespaces))  # len: not one of them
@@ -628,9 +629,10 @@ def _offer_rows(value: OfferColumns) -> tuple[list[ShardOffer], np.ndarray]:
     parent_lengths = a.lengths[a.has_parent]
     bad = ~known[ns_of]
     bad |= (a.lengths < fields.MIN_KEY_BYTES) | (a.lengths > fields.MAX_KEY_BYTES)
-    bad |= _group_too_large(value.keys, a.lengths)
+    groups = _groups(value.keys, a.lengths)
+    bad |= groups >= fields.MAX_GROUPS
     if len(parent_lengths):
-        bad[a.has_parent] |= _group_too_large(value.parents, parent_lengths)
+        bad[a.has_parent] |= _groups(value.parents, parent_lengths) >= fields.MAX_GROUPS
     bad |= (a.worlds < 1) | (a.worlds >= fields.MAX_WORLD_SIZE) | (a.ranks >= a.worlds)
     bad |= (a.sizes < 1) | (a.sizes >= MAX_SHARD_BYTES)
     parents: list[bytes | None] = [None] * len(a.lengths)
@@ -648,7 +650,8 @@ def _offer_rows(value: OfferColumns) -> tuple[list[ShardOffer], np.ndarray]:
         a.roots.tolist(),
         strict=True,
     )
-    return [tuple.__new__(ShardOffer, r) for r in rows], bad
+    offers = list(map(tuple.__new__, repeat(ShardOffer), rows))  # checked: no __new__ to run
+    return offers, _Checked(a, groups, bad)
 
 
 def _size_of(value: object) -> str:
@@ -667,7 +670,7 @@ def offers_of(value: object) -> list[ShardOffer | None]:
     """``admit``'s offers (:class:`OfferColumns`, no units), every field checked as
     :func:`check_offer` does; None for each one refused (logged). Raises MalformedField
     for a malformed message: not OfferColumns, columns that do not fit together."""
-    checked, cols = _checked_offers(value, "offer")
+    checked, cols, _ = _checked_offers(value, "offer")
     if cols.unit_sizes:
         raise MalformedField("offers.unit_sizes", _size_of(cols.unit_sizes), "admit takes no units")
     return checked
@@ -679,27 +682,62 @@ def unit_offers_of(value: object) -> list[UnitOffer | None]:
     whole (a shard of it malformed, or the unit inconsistent; logged). Raises
     MalformedField for a malformed message (as :func:`offers_of`, or unit sizes that do
     not add up to its offers)."""
-    shards, cols = _checked_offers(value, "unit offer shard")
-    n_units = _width("units.unit_sizes", cols.unit_sizes, _U32.itemsize, None)
-    sizes = _ints("units.unit_sizes", cols.unit_sizes, "I", n_units)
+    shards, cols, columns = _checked_offers(value, "unit offer shard")
+    n_units = column_width("units.unit_sizes", cols.unit_sizes, _U32.itemsize, None)
+    sizes = int_column("units.unit_sizes", cols.unit_sizes, "I", n_units)
     if sum(sizes) != len(shards):
         raise MalformedField("units.unit_sizes", f"{sum(sizes)} shards", f"not {len(shards)}")
-    units: list[UnitOffer | None] = []
-    at = 0
-    for i, size in enumerate(sizes):
-        unit = shards[at : at + size]
-        at += size
-        if size == 1 and unit[0] is not None:
-            units.append(tuple.__new__(UnitOffer, (unit,)))  # checked: no None in it
-            continue
+    # Units known whole (checked column by column); the rest are checked one by one.
+    whole = [False] * n_units if columns is None else _whole_units(cols, columns, sizes)
+    ends = list(accumulate(sizes))
+    units: list[UnitOffer | None] = [
+        tuple.__new__(UnitOffer, (shards[end - size : end],))  # checked below if not whole
+        for size, end in zip(sizes, ends, strict=True)
+    ]
+    for i in (i for i, ok in enumerate(whole) if not ok):
+        unit = shards[ends[i] - sizes[i] : ends[i]]
+        if len(unit) == 1 and unit[0] is not None:
+            continue  # one well-formed shard: a unit
         try:
             if None in unit:
                 raise MalformedField(f"unit[{i}].shards", "a malformed shard", "refused above")
-            units.append(unit_of_checked(unit, f"unit[{i}]"))  # type: ignore[arg-type]
+            units[i] = unit_of_checked(unit, f"unit[{i}]")  # type: ignore[arg-type]
         except MalformedField as exc:
             logger.warning("refused unit offer %d: %s", i, exc)
-            units.append(None)
+            units[i] = None
     return units
+
+
+def _whole_units(cols: OfferColumns, checked: _Checked, sizes: Sequence[int]) -> list[bool]:
+    """Per unit of a message checked column by column (``checked``, :func:`_offer_rows`):
+    True where it certainly passes :func:`unit_of_checked` (a shard or more, none
+    malformed, one namespace index, boundary and root, no (group, rank) twice, one world
+    size per group: within one boundary a key is its group); False where it may not
+    (that check then says). Namespaces are compared by their index in the message, and
+    boundaries as bytes only when every key is as long: else False, never a wrong True."""
+    a, groups = checked.rows, checked.groups
+    n = len(a.lengths)
+    counts = np.array(sizes, np.int64)
+    unit = np.repeat(np.arange(len(counts)), counts)  # each shard's unit
+    first = (np.cumsum(counts) - counts)[unit]  # each shard's unit's first shard
+    off = checked.bad.copy()
+    off |= a.namespace_of != a.namespace_of[first]
+    off |= a.roots != a.roots[first]
+    length = int(a.lengths[0]) if n else 0
+    if n and np.all(a.lengths == length):
+        keys = np.frombuffer(cols.keys, _U8).reshape(n, length)[:, : length - fields.GROUP_BYTES]
+        off |= np.any(keys != keys[first], axis=1)
+    else:
+        off[:] = True  # keys of several lengths: checked one by one
+    order = np.lexsort((a.ranks, groups, unit))
+    same_key = (unit[order][1:] == unit[order][:-1]) & (groups[order][1:] == groups[order][:-1])
+    ranks, worlds = a.ranks[order], a.worlds[order]
+    twice = same_key & ((ranks[1:] == ranks[:-1]) | (worlds[1:] != worlds[:-1]))
+    off[order[1:][twice]] = True
+    faulty = np.zeros(len(counts), bool)
+    faulty[unit[off]] = True
+    whole: list[bool] = (~faulty & (counts > 0)).tolist()
+    return whole
 
 
 # ---- the Evictor's decisions --------------------------------------------------------------
@@ -848,17 +886,17 @@ def answers_of(value: Any) -> list[LookupAnswer]:
     range: never a wrong answer."""
     if not isinstance(value, AnswerColumns):
         raise MalformedField("answers", type(value).__name__, "not AnswerColumns")
-    n = len(_column("answers.states", value.states, _U8))
-    sizes = _column("answers.where_sizes", value.where_sizes, np.dtype("<i4"), n)
+    n = len(column("answers.states", value.states, _U8))
+    sizes = column("answers.where_sizes", value.where_sizes, np.dtype("<i4"), n)
     if np.any(sizes < -1):
         raise MalformedField("answers.where_sizes", value.where_sizes[:32], "a size below -1")
     named = int(sizes[sizes > 0].sum())
-    ranks = _column("answers.ranks", value.ranks, _U32, named).tolist()
-    holders = _column("answers.holders", value.holders, _U32, named)
+    ranks = column("answers.ranks", value.ranks, _U32, named).tolist()
+    holders = column("answers.holders", value.holders, _U32, named)
     nodes = items("answers.nodes", value.nodes, MAX_ITEMS)
     if not all(isinstance(node, str) for node in nodes):
         raise MalformedField("answers.nodes", nodes[:4], "not node ids")
-    codes = _column("answers.tiers", value.tiers, _U8, n)
+    codes = column("answers.tiers", value.tiers, _U8, n)
     if max(value.states, default=0) >= len(_STATES) or np.any(codes >= len(_TIERS)):
         raise MalformedField("answers", value.states[:8], "a state or tier code out of range")
     if np.any(holders >= len(nodes)):

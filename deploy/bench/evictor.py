@@ -205,8 +205,14 @@ def bench_units(boundaries: int, ranks: int, groups: int) -> dict[str, Any]:
     return row
 
 
+# admit_units' units in the actor row: a TP=8 3-group hybrid model's (ranks, groups).
+UNIT_SHAPE = (8, 3)
+UNIT_SHARDS = UNIT_SHAPE[0] * UNIT_SHAPE[1]
+
+
 def bench_actor(n: int, batch: int) -> dict[str, Any]:
-    """The real Evictor actor on a local Ray cluster: admit and lookup in calls of ``batch``."""
+    """The real Evictor actor on a local Ray cluster: admit, lookup (and, for a batch of
+    at least :data:`UNIT_SHARDS`, admit_units, in shards) in calls of ``batch``."""
     import ray
     from tierstore.actors.bootstrap import get_or_create_evictor
     from tierstore.actors.clients import EvictorClient
@@ -217,15 +223,35 @@ def bench_actor(n: int, batch: int) -> dict[str, Any]:
     with ray_session(cfg.namespace):
         evictor = EvictorClient(get_or_create_evictor(cfg))
         node = ray.get_runtime_context().get_node_id()  # a real node: reconcile keeps it
-        evictor.register_node(node, 4 * n, 0).result()
+        evictor.register_node(node, 8 * n, 0).result()  # room for every row's shards
         # 2n offers: n pipelined, then fresh ones one call at a time for the latency.
         offers = [o for start in range(0, 2 * n, CHAIN) for o in _request(start)]
         keys = [o.key for o in offers]
+        # admit_units (a batch of 24 or more): a TP=8 3-group NodeStore's units of 24
+        # shards (8 ranks x 3 KV cache groups of one boundary), as many whole units a
+        # call as ``batch`` holds, 2n shards of other keys; rated in shards.
+        per_call = batch // UNIT_SHARDS
+        units = units_of(
+            o
+            for start in range(2 * n, 2 * n + 2 * n // UNIT_SHARDS, CHAIN)
+            for o in _tp_request(start, *UNIT_SHAPE)
+        )
+        rows: list[tuple[str, int, Any]] = [
+            ("admit", batch, lambda i: evictor.admit(node, offers[i : i + batch])),
+            ("lookup_lease", batch, lambda i: evictor.lookup(NS, keys[i : i + batch], "b", 30.0)),
+        ]
+        if per_call:
+            rows.append(
+                (
+                    "admit_units",
+                    per_call * UNIT_SHARDS,
+                    lambda i: evictor.admit_units(
+                        node, units[i // batch * per_call : (i // batch + 1) * per_call]
+                    ),
+                )
+            )
         results: dict[str, Any] = {"chunks": n, "batch": batch}
-        for name, call in (
-            ("admit", lambda i: evictor.admit(node, offers[i : i + batch])),
-            ("lookup_lease", lambda i: evictor.lookup(NS, keys[i : i + batch], "b", 30.0)),
-        ):
+        for name, size, call in rows:
             started = time.perf_counter()
             sent = [call(i) for i in range(0, n, batch)]  # pipelined, as batches arrive
             for pending in sent:
@@ -236,7 +262,10 @@ def bench_actor(n: int, batch: int) -> dict[str, Any]:
             for i in range(n, n + calls * batch, batch):  # one at a time: what a caller waits
                 call(i).result()
             latency = (time.perf_counter() - started) / calls
-            results[name] = {"ops_per_s": _rate(n, pipelined), "call_ms": 1e3 * latency}
+            results[name] = {
+                "ops_per_s": _rate(len(sent) * size, pipelined),
+                "call_ms": 1e3 * latency,
+            }
         return results
 
 
@@ -262,8 +291,11 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         for op in compact[0]["ops_per_s"]:
             series[f"compact {op}"] = [r["ops_per_s"][op] for r in compact]
     for row in results["actor"]:  # flat: the actor row is measured at one size
-        for op in ("admit", "lookup_lease"):
-            series[f"Evictor actor {op}, {row['batch']}/call"] = [row[op]["ops_per_s"]] * len(rows)
+        for op in ("admit", "lookup_lease", "admit_units"):
+            if op in row:  # admit_units: batches of whole units only
+                series[f"Evictor actor {op}, {row['batch']}/call"] = [row[op]["ops_per_s"]] * len(
+                    rows
+                )
     return [
         plots.lines(
             out / "evictor_ops.png",

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import ray
 from tierstore.actors.bootstrap import find_node_store, get_or_create_evictor
+from tierstore.actors.clients import EvictorClient
 
 from tests.support import poll, wait_for
 from tests.vllm.test_worker_arena import SRC, _pool_ready
@@ -22,7 +23,7 @@ from tierstore.fields import MalformedField
 from tierstore.keys import ChunkKey, ShardId, TierName
 from tierstore.vllm.arena_jobs import ArenaJobs
 from tierstore.vllm.transfer_specs import StoreSpec
-from tierstore.wire import LookupState, ShardEntry, ShardOffer, offer_columns
+from tierstore.wire import LookupState, ShardEntry, ShardOffer, UnitOffer, offer_columns
 
 
 def _key(i: int) -> bytes:
@@ -79,6 +80,46 @@ def test_the_evictor_refuses_malformed_offers_and_indexes_the_rest(cfg: TierStor
     indexed = ray.get(evictor.index_view.remote(node), timeout=10)
     assert {ShardId(*s).key for s, _ in indexed} == {_key(7)}
     assert _malformed(evictor) == 6
+
+
+def test_the_evictor_admits_a_tp_groups_units_refusing_a_malformed_one_whole(
+    cfg: TierStoreConfig,
+) -> None:
+    """A TP=8 3-group NodeStore's batch (units of 24 shards, past the row-by-row size):
+    through the client's columns, each good unit is one decision, a malformed unit is
+    refused whole (no flag; counted once), a held one's shards are refused alone, and the
+    admitted shards' events name each admitted chunk once (its rank 0)."""
+    evictor, node = _evictor_on_this_node(cfg)
+    client = EvictorClient(evictor)
+
+    def unit(b: int, root: int = 7) -> UnitOffer:
+        shards = [
+            ShardOffer(NS, _key(b)[:8] + g.to_bytes(4, "big"), r, 8, 1, None, root)
+            for g in range(3)
+            for r in range(8)
+        ]
+        return UnitOffer(shards)
+
+    units = [unit(b) for b in range(100, 110)]
+    mixed = unit(110)
+    units.append(UnitOffer([*mixed.shards[:-1], mixed.shards[-1]._replace(root=8)]))
+    empty = unit(111)
+    units.append(UnitOffer([*empty.shards[:-1], empty.shards[-1]._replace(nbytes=0)]))
+    units += [unit(112), unit(100)]  # the last: held already, each shard refused alone
+    before = _malformed(evictor)
+    after = client.events_since(0, NS).result().next_seq
+    accepted, _ = client.admit_units(node, units).result()
+    assert accepted == [[True] * 24] * 10 + [[], []] + [[True] * 24, [False] * 24]
+    assert _malformed(evictor) == before + 2
+    events = client.events_since(after, NS).result().events
+    admitted = [
+        k
+        for e in events
+        if e.node == node and e.tier is TierName.CPU and not e.removed
+        for k in e.keys
+    ]
+    good = [*units[:10], units[12]]
+    assert sorted(admitted) == sorted(o.key for u in good for o in u.shards if o.rank == 0)
 
 
 def test_a_restore_indexes_its_good_copies_and_drops_the_malformed_ones(
