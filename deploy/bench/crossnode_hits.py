@@ -31,7 +31,7 @@ from typing import Any, cast
 import ray
 from tierstore.actors.bootstrap import ensure_actors, find_node_store, shutdown_actors
 from tierstore.deploy.bench.common import machine_info, two_nodes
-from tierstore.deploy.bench.e2e import BIND_ENV, EngineRuns, breakdown
+from tierstore.deploy.bench.e2e import BIND_ENV, EngineRuns, breakdown, metrics_added
 from tierstore.deploy.bench.e2e_engine import metric_delta, metric_totals
 from tierstore.deploy.cli import collect_status
 from tierstore.deploy.engine_host import start_engine_on
@@ -71,17 +71,6 @@ def _metrics(engine: ray.actor.ActorHandle) -> dict[str, Any]:
     """The engine's vLLM and tierstore metrics now (summed over labels), read in its
     actor's process, where its stat loggers run."""
     return cast(dict[str, Any], ray.get(engine.__ray_call__.remote(lambda _h: metric_totals())))
-
-
-def _add(total: dict[str, Any], delta: dict[str, Any]) -> None:
-    """Adds one request's metric deltas into its kind's ``total``."""
-    for name, value in delta.items():
-        if isinstance(value, dict):
-            into = total.setdefault(name, {"sum": 0.0, "count": 0})
-            into["sum"] += value["sum"]
-            into["count"] += value["count"]
-        else:
-            total[name] = total.get(name, 0) + value
 
 
 def _summary(requests: list[dict[str, Any]], metrics: dict[str, Any]) -> dict[str, Any]:
@@ -126,19 +115,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             before = collect_status(NAMESPACE)["totals"]
             a_before, b_before = _node_stats(node_a), _node_stats(node_b)
             hits: dict[str, list[dict[str, Any]]] = {"near": [], "far": []}
-            metrics: dict[str, dict[str, Any]] = {"near": {}, "far": {}}
+            deltas: dict[str, list[dict[str, Any]]] = {"near": [], "far": []}
             for near_prompt, far_prompt in zip(near, far, strict=True):
                 for kind, prompt in (("near", near_prompt), ("far", far_prompt)):
                     started = _metrics(engine_b)
                     result = ray.get(engine_b.run_pass.remote([prompt], MAX_TOKENS))
                     hits[kind].append(result["requests"][0])
-                    _add(metrics[kind], metric_delta(_metrics(engine_b), started))
+                    deltas[kind].append(metric_delta(_metrics(engine_b), started))
             after = collect_status(NAMESPACE)["totals"]
             a_after, b_after = _node_stats(node_a), _node_stats(node_b)
             ray.kill(engine_b)
         finally:
             shutdown_actors(NAMESPACE)
-    near_s, far_s = (_summary(hits[k], metrics[k]) for k in ("near", "far"))
+    near_s, far_s = (_summary(hits[k], metrics_added(deltas[k])) for k in ("near", "far"))
     return {
         "model": choice,
         "nodes": how,

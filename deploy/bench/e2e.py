@@ -191,12 +191,12 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "requests": [r for part in parts for r in part["requests"]],
             "wall_s": sum(part["wall_s"] for part in parts),
             "tierstore": counters,
-            "metrics": _added([part.get("metrics", {}) for part in parts]),
+            "metrics": metrics_added([part.get("metrics", {}) for part in parts]),
         }
     return out
 
 
-def _added(parts: list[dict[str, Any]]) -> dict[str, Any]:
+def metrics_added(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """Metric totals of several runs added up (a histogram's sum and count each)."""
     out: dict[str, Any] = {}
     for part in parts:
