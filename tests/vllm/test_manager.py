@@ -323,6 +323,17 @@ def _wait_for_fresh_snapshot(manager: TierStoreManager) -> None:
     wait_for(fresh_miss, "a MISS from the presence snapshot", _WAIT_S)
 
 
+def _viewing(
+    cfg: TierStoreConfig, evictor: EvictorClient, node: str, ranks: int = 1
+) -> TierStoreManager:
+    """A manager on ``node`` answering HITs from its cluster view for ``ranks`` ranks
+    (as after a failed load), its view fresh."""
+    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
+    manager.answer_hits_from_picture(ranks)
+    _wait_for_fresh_snapshot(manager)
+    return manager
+
+
 def test_a_key_held_nowhere_is_a_miss_at_once_while_the_snapshot_is_fresh(
     cfg: TierStoreConfig,
 ) -> None:
@@ -376,9 +387,7 @@ def test_a_chunk_the_snapshot_shows_in_memory_here_is_a_hit_with_no_evictor_call
     are MISS (it recomputes) and its chunks may be stored again."""
     cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)  # no events poll meanwhile
     evictor, node = _evictor_holding(cfg, _key(1), _key(2))
-    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
-    manager.answer_hits_from_picture(2)
-    _wait_for_fresh_snapshot(manager)
+    manager = _viewing(cfg, evictor, node, ranks=2)
 
     def totals() -> dict[str, int]:
         return evictor.status().result()["totals"]
@@ -417,14 +426,7 @@ def test_a_chunk_the_snapshot_shows_in_memory_here_is_a_hit_with_no_evictor_call
     assert poll(totals, 1.0, done=lambda t: t["loaded_chunks"] > 1)["loaded_chunks"] == 1
     manager.shutdown()
 
-    off = TierStoreManager(
-        dataclasses.replace(cfg, hits_from_picture=False),
-        NS,
-        EvictorChannel(evictor),
-        local_node=NodeId(node),
-    )
-    off.answer_hits_from_picture(1)
-    _wait_for_fresh_snapshot(off)
+    off = _viewing(dataclasses.replace(cfg, hits_from_picture=False), evictor, node)
     off.on_new_request(ctx)
     assert off.lookup(_key(1), ctx) is LookupResult.RETRY  # asked first, as before
     off.shutdown()
@@ -446,14 +448,7 @@ def test_a_chunk_the_snapshot_shows_only_on_another_node_is_asked_first_with_pul
     key = _key(5)
     evictor.admit(other, [ShardOffer(NS, key, 0, 1, 100)]).result()
     for pulls in (cfg.pulls_per_node, 0):
-        manager = TierStoreManager(
-            dataclasses.replace(cfg, pulls_per_node=pulls),
-            NS,
-            EvictorChannel(evictor),
-            local_node=NodeId(node),
-        )
-        manager.answer_hits_from_picture(1)
-        _wait_for_fresh_snapshot(manager)
+        manager = _viewing(dataclasses.replace(cfg, pulls_per_node=pulls), evictor, node)
         ctx = ReqContext(req_id=f"remote-{pulls}")
         manager.on_new_request(ctx)
         hits_before = evictor.status().result()["totals"]["hits"]
@@ -497,9 +492,7 @@ def test_a_chunk_this_engine_just_stored_is_a_hit_at_once_from_its_node(
     evictor.register_node(node, 1000, 10_000).result()
     evictor.admit(node, [ShardOffer(NS, _key(2), 0, 1, 100)]).result()  # and on disk
     evictor.admit(node, [ShardOffer(NS, _key(3), 0, 1, 950)]).result()  # key 2: disk only
-    manager = TierStoreManager(cfg, NS, EvictorChannel(evictor), local_node=NodeId(node))
-    manager.answer_hits_from_picture(1)
-    _wait_for_fresh_snapshot(manager)
+    manager = _viewing(cfg, evictor, node)
     writer, reader = ReqContext(req_id="writer"), ReqContext(req_id="reader")
     manager.on_new_request(writer)
     stored = [_key(1), _key(2), _key(4)]
