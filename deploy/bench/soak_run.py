@@ -35,7 +35,6 @@ from tierstore.config import TierStoreConfig
 logger = logging.getLogger(__name__)
 
 DEVICE_BLOCKS = 160  # 5,120 tokens: a few conversations; the rest must come from tierstore
-_SWEEPS = 3  # a chain with several corrupt chunks needs a pass per chunk
 
 
 def _free_port() -> int:
@@ -127,11 +126,12 @@ def _sweep(server: ApiServer, model: str, reference: dict, injector: Injector, p
     node's NodeStore is restarted first, so no chunk is left in its CPU tier (where a
     load would never read the corrupt file behind it) and every hit is a promotion from
     disk, which verifies it; the device cache is emptied before each pass. A chain with
-    several corrupt files needs a pass per file."""
+    several corrupt files needs a pass per file: as many passes as files were corrupted
+    (all in one chain at worst), stopping once every one has been read."""
     faults.kill_node_store(NAMESPACE, _engine_node(), injector.ledger, injector.sweep_restart)
     swept: list[Response] = []
     prompts = [list(p) for p in reference]
-    for _ in range(_SWEEPS):
+    for _ in range(max(1, len(injector.out.corrupted))):
         server.reset_prefix_cache()
         swept += replay(server.base, model, prompts, plan.workload)
         injector.ledger.poll(_alive_nodes())
