@@ -522,12 +522,17 @@ def _arrays(cols: OfferColumns) -> _Rows:
         column("offers.nbytes", cols.nbytes, _I64, n),
         column("offers.roots", cols.roots, _U64, n),
     )
-    if not isinstance(cols.keys, bytes) or len(cols.keys) != int(lengths.sum()):
+    _check_blobs(cols, int(lengths.sum()), int(lengths[arrays.has_parent].sum()))
+    return arrays
+
+
+def _check_blobs(cols: OfferColumns, key_bytes: int, parent_bytes: int) -> None:
+    """``cols``' keys and parents are bytes of the sums their lengths make. Raises
+    MalformedField."""
+    if not isinstance(cols.keys, bytes) or len(cols.keys) != key_bytes:
         raise MalformedField("offers.keys", _size_of(cols.keys), "not its key lengths' sum")
-    parent_bytes = int(lengths[arrays.has_parent].sum())
     if not isinstance(cols.parents, bytes) or len(cols.parents) != parent_bytes:
         raise MalformedField("offers.parents", _size_of(cols.parents), "not its parents' sum")
-    return arrays
 
 
 # Offers up to which a message is checked row by row (check_offer itself) rather than
@@ -553,11 +558,8 @@ def _small_rows(cols: OfferColumns) -> list[tuple[object, ...]]:
         int_column("offers.roots", cols.roots, "Q", n),
         strict=True,
     )
-    if not isinstance(cols.keys, bytes) or len(cols.keys) != sum(lengths):
-        raise MalformedField("offers.keys", _size_of(cols.keys), "not its key lengths' sum")
     parent_bytes = sum(length for length, flag in zip(lengths, flags, strict=True) if flag)
-    if not isinstance(cols.parents, bytes) or len(cols.parents) != parent_bytes:
-        raise MalformedField("offers.parents", _size_of(cols.parents), "not its parents' sum")
+    _check_blobs(cols, sum(lengths), parent_bytes)
     namespaces = items("offers.namespaces", cols.namespaces, MAX_ITEMS)
     rows: list[tuple[object, ...]] = []
     at = parent_at = 0

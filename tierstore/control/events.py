@@ -52,11 +52,7 @@ class EventLog:
     def record_offers(self, node: NodeId, tier: TierName, offers: Iterable[ShardOffer]) -> None:
         """Offers admitted into ``node``'s ``tier``: as :meth:`record` of their shards
         (not removed), without building a ShardId each."""
-        groups: dict[tuple[TierName, Namespace], list[ChunkKey]] = {}
-        for offer in offers:
-            if offer.rank == 0:
-                groups.setdefault((tier, offer.namespace), []).append(offer.key)
-        self._append(node, False, groups)
+        self._append(node, False, _by_tier_and_namespace((offer, tier) for offer in offers))
 
     def record_held(
         self, node: NodeId, removed: bool, held: Iterable[tuple[ShardId, TierName]]
@@ -91,7 +87,7 @@ class EventLog:
 
 
 def _by_tier_and_namespace(
-    held: Iterable[tuple[ShardId, TierName]],
+    held: Iterable[tuple[ShardId | ShardOffer, TierName]],
 ) -> dict[tuple[TierName, Namespace], list[ChunkKey]]:
     """The keys of rank 0's shards, by tier and namespace: rank 0 stands for its chunk, so
     a TP engine's chunk is announced once."""
