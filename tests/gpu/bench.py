@@ -99,8 +99,9 @@ def run() -> list[dict[str, object]]:
     base = {nbytes: _torch_pinned(nbytes) for nbytes in SIZES}
     for name in EXECUTOR_NAMES:
         executor = make_executor(name, gpu)
-        if executor is None or probe(executor, gpu[0].device) is not None:
-            rows.append({"executor": name, "available": False})
+        why = "not available here" if executor is None else probe(executor, gpu)
+        if executor is None or why is not None:
+            rows.append({"executor": name, "available": False, "why": why})
             continue
         copier = CudaCopier(layout, executor)
         copier.attach_arena(arena)
@@ -119,14 +120,12 @@ def run() -> list[dict[str, object]]:
                     }
                 )
         copier.detach_arena(arena)
-    del arena
-    memory.close()
-    return rows
+    return rows  # the mapping goes with the process (copiers may still reference it)
 
 
 def _line(row: dict[str, object]) -> str:
     if not row["available"]:
-        return f"{row['executor']:>6}: not available here"
+        return f"{row['executor']:>6}: {row['why']}"
     ratio = float(row["gbps"]) / float(row["torch_pinned_gbps"])  # type: ignore[arg-type]
     pinned = "" if row["registered"] else " (arena PAGEABLE: registration failed)"
     return (

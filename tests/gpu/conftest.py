@@ -11,7 +11,7 @@ which sets up Ray).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -32,13 +32,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+ExecutorFor = Callable[[Sequence[torch.Tensor]], BatchCopy]
+
+
 @pytest.fixture(params=EXECUTOR_NAMES)
-def executor(request: pytest.FixtureRequest) -> Iterator[BatchCopy]:
-    """Each copy executor this machine has (vLLM's, the driver's, per run), probed."""
-    kv = [torch.zeros((4, 4096), dtype=torch.int8, device="cuda")]
-    chosen = make_executor(request.param, kv)
-    if chosen is None:
-        pytest.skip(f"the {request.param!r} copy executor is not available here")
-    why = probe(chosen, kv[0].device)
-    assert why is None, f"the {request.param!r} executor failed its probe copy: {why}"
-    yield chosen
+def executor_for(request: pytest.FixtureRequest) -> ExecutorFor:
+    """Each copy executor this machine has (vLLM's, the driver's, per run), made for a
+    test's own KV tensors and probed on them (a per-run copier knows only its tensors)."""
+    name = request.param
+    if make_executor(name, [torch.zeros((4, 4096), dtype=torch.int8, device="cuda")]) is None:
+        pytest.skip(f"the {name!r} copy executor is not available here")
+
+    def make(kv: Sequence[torch.Tensor]) -> BatchCopy:
+        chosen = make_executor(name, kv)
+        assert chosen is not None
+        why = probe(chosen, kv)
+        assert why is None, f"the {name!r} executor failed its probe copy: {why}"
+        return chosen
+
+    return make

@@ -62,11 +62,18 @@ def sleeping_forward(gpu: list[torch.Tensor], blocks, fill: int) -> Iterator[tor
         yield forward_done
 
 
-def assert_loaded(gpu, host, layout: ChunkLayout, plan, dst, data: np.ndarray) -> None:
+def assert_loaded(
+    gpu, host, layout: ChunkLayout, plan, dst, data: np.ndarray, fill: int | None = None
+) -> None:
     """The load's blocks hold ``data`` as the host reference scatters it (``layout`` is
-    the host twin's), not what the forward wrote there."""
+    the host twin's), not what the forward wrote there; ``fill``: what the forward
+    wrote over the whole of each ``dst`` block first (a block's bytes no group of the
+    load covers keep it), None if it left them alone."""
     torch.cuda.synchronize()
-    layout.scatter(plan, as_index(dst, "cpu"), torch.from_numpy(data.copy()))
     rows = torch.as_tensor(dst)
+    if fill is not None:
+        for ref in host:
+            ref[rows] = fill
+    layout.scatter(plan, as_index(dst, "cpu"), torch.from_numpy(data.copy()))
     for t, ref in zip(gpu, host, strict=True):
         assert torch.equal(t.cpu()[rows], ref[rows])  # loaded bytes, not the zeroing's

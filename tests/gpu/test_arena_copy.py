@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.data.test_extent_copy import _extents
+from tests.gpu.conftest import ExecutorFor
 from tests.gpu.kv import (
     GROUPS,
     assert_loaded,
@@ -41,23 +42,34 @@ pytestmark = pytest.mark.gpu
 ARENA_BYTES = 8 << 20
 
 
+class Arena:
+    """A node arena mapped here, and the copiers attached to it (detached at teardown,
+    also after a failure: a later test's mapping may reuse the address range)."""
+
+    def __init__(self, mapping: ArenaMapping) -> None:
+        self.mapping = mapping
+        self.array = mapping.array
+        self.copiers: list[CudaCopier] = []
+
+    def attach(self, layout: ChunkLayout, executor: BatchCopy | None = None) -> CudaCopier:
+        copier = CudaCopier(layout, executor)
+        assert copier.attach_arena(self.array)
+        self.copiers.append(copier)
+        assert copier.pageable_arenas == 0, "cudaHostRegister of the arena failed"
+        return copier
+
+
 @pytest.fixture
-def arena(tmp_path: Path) -> Iterator[ArenaMapping]:
+def arena(tmp_path: Path) -> Iterator[Arena]:
     region = ArenaRegion.create(f"gputest{os.getpid()}", "node", ARENA_BYTES, tmp_path)
     mapping = ArenaMapping(region.info)
     mapping.array[:] = 0xCD
-    yield mapping
+    held = Arena(mapping)
+    yield held
+    for copier in held.copiers:
+        copier.detach_arena(mapping.array)
     mapping.close()
     region.close()
-
-
-def _attached(
-    layout: ChunkLayout, mapping: ArenaMapping, executor: BatchCopy | None = None
-) -> CudaCopier:
-    copier = CudaCopier(layout, executor)
-    assert copier.attach_arena(mapping.array)
-    assert copier.pageable_arenas == 0, "cudaHostRegister of the arena failed"
-    return copier
 
 
 def _place(plan, seed: int):
@@ -69,12 +81,12 @@ def _place(plan, seed: int):
 @pytest.mark.parametrize("bpc", [1, 2, 4])
 @pytest.mark.parametrize("expedited", [False, True])
 def test_round_trip_gpu_arena_gpu_is_bit_exact(
-    arena: ArenaMapping, executor: BatchCopy, name: str, bpc: int, expedited: bool
+    arena: Arena, executor_for: ExecutorFor, name: str, bpc: int, expedited: bool
 ) -> None:
     gpu, host = kv_pair(name, seed=bpc)
     layout = ChunkLayout(gpu, GROUPS[name][1], bpc)
     ref_layout = ChunkLayout(host, GROUPS[name][1], bpc)
-    copier = _attached(layout, arena, executor)
+    copier = arena.attach(layout, executor_for(gpu))
     plan, src, dst = random_job(layout, np.random.default_rng(bpc), 64)
     offsets, runs = _place(plan, bpc)
 
@@ -100,11 +112,11 @@ def test_round_trip_gpu_arena_gpu_is_bit_exact(
 
 
 def test_a_load_from_extents_lands_after_the_compute_stream_zeroes_its_blocks(
-    arena: ArenaMapping, executor: BatchCopy
+    arena: Arena, executor_for: ExecutorFor
 ) -> None:
     gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
-    copier = _attached(layout, arena, executor)
+    copier = arena.attach(layout, executor_for(gpu))
     plan, _, dst = random_job(layout, np.random.default_rng(7), 64)
     offsets, runs = _place(plan, 7)
     data = np.random.default_rng(8).integers(1, 256, plan.nbytes, dtype=np.uint8)
@@ -115,14 +127,14 @@ def test_a_load_from_extents_lands_after_the_compute_stream_zeroes_its_blocks(
     assert scatter.in_place
     with ThreadPoolExecutor(1) as pool:  # the worker's transfer thread
         pool.submit(scatter.from_extents, arena.array, runs).result(timeout=120)
-    assert_loaded(gpu, host, ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, dst, data)
+    assert_loaded(gpu, host, ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, dst, data, 0)
     copier.detach_arena(arena.array)
 
 
-def test_a_store_into_extents_returns_while_the_forward_still_runs(arena: ArenaMapping) -> None:
+def test_a_store_into_extents_returns_while_the_forward_still_runs(arena: Arena) -> None:
     gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
-    copier = _attached(layout, arena)
+    copier = arena.attach(layout)
     plan, src, _ = random_job(layout, np.random.default_rng(2), 64)
     offsets, _ = _place(plan, 2)
     copier.gather_into(plan, src, arena.array, offsets).wait_copied()  # warm the tables
@@ -146,10 +158,10 @@ def _pinned_requests() -> int | None:
     return stats.get("active_requests.allocated", stats.get("num_host_alloc"))
 
 
-def test_jobs_through_the_arena_allocate_no_pinned_or_gpu_memory(arena: ArenaMapping) -> None:
+def test_jobs_through_the_arena_allocate_no_pinned_or_gpu_memory(arena: Arena) -> None:
     gpu, _ = kv_pair("odd")
     layout = ChunkLayout(gpu, GROUPS["odd"][1], 2)
-    copier = _attached(layout, arena)
+    copier = arena.attach(layout)
 
     def job(seed: int) -> None:
         plan, src, dst = random_job(layout, np.random.default_rng(seed), 64)

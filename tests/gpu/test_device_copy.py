@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.gpu.conftest import ExecutorFor
 from tests.gpu.kv import (
     GROUPS,
     SLEEP_CYCLES,
@@ -25,7 +26,7 @@ from tests.gpu.kv import (
     sleeping_forward,
 )
 from tierstore.data.layout import ChunkLayout, as_index
-from tierstore.vllm.batch_copy import BatchCopy
+from tierstore.vllm.batch_copy import EXECUTOR_NAMES, make_executor
 from tierstore.vllm.cuda_copy import CudaCopier
 from tierstore.vllm.device_copy import make_copier
 
@@ -39,18 +40,48 @@ def test_cuda_tensors_get_the_cuda_copier_with_a_probed_executor() -> None:
     print(f"executor chosen: {copier.executor}")
 
 
+@pytest.mark.parametrize("name", EXECUTOR_NAMES)
+@pytest.mark.parametrize("src_any", [False, True])
+def test_an_executors_load_lands_after_the_event_its_stream_waits_for(
+    name: str, src_any: bool
+) -> None:
+    """The executor contract the copier's loads rest on: a host -> device copy launched
+    on a stream that waits for a compute stream's event writes after that stream's
+    work, with the source in any access order too (``src_any`` lets the DMA engine read
+    the pinned source ahead; the destination stays in stream order)."""
+    nbytes = 1 << 20
+    dst = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
+    executor = make_executor(name, [dst])
+    if executor is None:
+        pytest.skip(f"the {name!r} copy executor is not available here")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pinned.copy_(torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8))
+    compute, copy = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        dst.zero_()  # what vLLM does to the blocks a load will fill
+        zeroed = torch.cuda.Event()
+        zeroed.record(compute)
+    copy.wait_event(zeroed)
+    table = torch.tensor([[pinned.data_ptr()], [dst.data_ptr()], [nbytes]], dtype=torch.int64)
+    with torch.cuda.stream(copy):
+        executor.launch(table, 1, copy, src_any, pinned.numpy())
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), pinned), "the copy landed before the compute stream's zeroing"
+
+
 @pytest.mark.parametrize("name", sorted(GROUPS))
 @pytest.mark.parametrize("bpc", [1, 2, 4])
 @pytest.mark.parametrize("expedited", [False, True])
 def test_round_trip_gpu_host_gpu_is_bit_exact(
-    executor: BatchCopy, name: str, bpc: int, expedited: bool
+    executor_for: ExecutorFor, name: str, bpc: int, expedited: bool
 ) -> None:
     gpu, host = kv_pair(name, seed=bpc)
     layout, ref_layout = (
         ChunkLayout(gpu, GROUPS[name][1], bpc),
         ChunkLayout(host, GROUPS[name][1], bpc),
     )
-    copier = CudaCopier(layout, executor)
+    copier = CudaCopier(layout, executor_for(gpu))
     plan, src, dst = random_job(layout, np.random.default_rng(bpc), 64)
 
     stored = copier.gather(plan, src)()
@@ -66,23 +97,25 @@ def test_round_trip_gpu_host_gpu_is_bit_exact(
         assert torch.equal(mine.cpu(), theirs)  # padding and other blocks untouched
 
 
-def test_a_load_lands_after_the_compute_stream_zeroes_its_blocks(executor: BatchCopy) -> None:
+def test_a_load_lands_after_the_compute_stream_zeroes_its_blocks(
+    executor_for: ExecutorFor,
+) -> None:
     gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
-    copier = CudaCopier(layout, executor)
+    copier = CudaCopier(layout, executor_for(gpu))
     plan, _, dst = random_job(layout, np.random.default_rng(7), 64)
     data = np.random.default_rng(8).integers(1, 256, plan.nbytes, dtype=np.uint8)
     with sleeping_forward(gpu, dst, 0):  # zeroes the blocks the load writes
         scatter = copier.prepare_scatter(plan, dst)
     with ThreadPoolExecutor(1) as pool:  # the worker's transfer thread
         pool.submit(scatter, data).result(timeout=120)
-    assert_loaded(gpu, host, ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, dst, data)
+    assert_loaded(gpu, host, ChunkLayout(host, GROUPS["hybrid"][1], 2), plan, dst, data, 0)
 
 
-def test_submit_store_returns_while_the_forward_still_runs(executor: BatchCopy) -> None:
+def test_submit_store_returns_while_the_forward_still_runs(executor_for: ExecutorFor) -> None:
     gpu, host = kv_pair("hybrid")
     layout = ChunkLayout(gpu, GROUPS["hybrid"][1], 2)
-    copier = CudaCopier(layout, executor)
+    copier = CudaCopier(layout, executor_for(gpu))
     copier.gather(*random_job(layout, np.random.default_rng(1), 64)[:2])()  # warm the pools
     plan, src, _ = random_job(layout, np.random.default_rng(2), 64)
     with sleeping_forward(gpu, src, 5) as forward_done:  # writes the KV this store reads

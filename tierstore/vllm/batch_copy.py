@@ -231,12 +231,12 @@ def make_executor(name: str, kv: Sequence[torch.Tensor]) -> BatchCopy | None:
 
 def select_executor(kv: Sequence[torch.Tensor], names: Sequence[str] = EXECUTOR_NAMES) -> BatchCopy:
     """Start-up: the first executor of ``names`` that is available and passes
-    :func:`probe` on these KV tensors' device; :class:`RunCopy` if none does."""
+    :func:`probe` on these KV tensors; :class:`RunCopy` if none does."""
     for name in names:
         executor = make_executor(name, kv)
         if executor is None:
             continue
-        why = probe(executor, kv[0].device) if kv else None
+        why = probe(executor, kv) if kv else None
         if why is None:
             logger.info("tierstore copies with the %r executor", executor.name)
             return executor
@@ -244,28 +244,45 @@ def select_executor(kv: Sequence[torch.Tensor], names: Sequence[str] = EXECUTOR_
     return RunCopy(kv)
 
 
-def probe(executor: BatchCopy, device: torch.device) -> str | None:
-    """Copy a page of known bytes device -> host -> device through ``executor``; None
-    if both arrive intact, else what went wrong. Start-up only (allocates and waits)."""
+def probe(executor: BatchCopy, kv: Sequence[torch.Tensor]) -> str | None:
+    """Copy the first page of ``kv[0]``'s memory device -> host and a known pattern
+    host -> device through ``executor`` (each executor takes any KV pointer; a
+    :class:`RunCopy` only those), then put the page's bytes back; None if both copies
+    arrive intact, else what went wrong. Start-up only, before any request (nothing
+    reads the page meanwhile; it allocates and waits)."""
+    device = kv[0].device
     if device.type != "cuda":
         return None  # the CPU tests exercise RunCopy directly
     try:
         with torch.cuda.device(device):
-            pattern = torch.arange(_PROBE_BYTES, dtype=torch.int64, device=device) % 251
-            src = pattern.to(torch.uint8)
-            back = torch.zeros_like(src)
-            host = torch.empty(_PROBE_BYTES, dtype=torch.uint8, pin_memory=True).numpy()
+            storage = kv[0].untyped_storage()
+            page = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            page = page[: min(_PROBE_BYTES, page.numel())]
+            n = page.numel()
+            kept = page.clone()
+            pattern = (torch.arange(n, dtype=torch.int64) % 251).to(torch.uint8)
+            pinned = torch.empty(2 * n, dtype=torch.uint8, pin_memory=True)
+            pinned[n:] = pattern
+            host = pinned.numpy()
             stream = torch.cuda.Stream(device)
             table = torch.empty((3, 1), dtype=torch.int64)
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                table[:, 0] = torch.tensor([src.data_ptr(), host.ctypes.data, _PROBE_BYTES])
+                table[:, 0] = torch.tensor([page.data_ptr(), host.ctypes.data, n])
                 executor.launch(table, 1, stream, False, host)
                 stream.synchronize()
-                table[:, 0] = torch.tensor([host.ctypes.data, back.data_ptr(), _PROBE_BYTES])
+                table[:, 0] = torch.tensor([host.ctypes.data + n, page.data_ptr(), n])
                 executor.launch(table, 1, stream, True, host)
                 stream.synchronize()
-            if not torch.equal(back, src):
-                return "the bytes did not come back intact"
+            came_out = torch.equal(pinned[:n], kept.cpu())
+            went_in = torch.equal(page.cpu(), pattern)
+            page.copy_(kept)
+            torch.cuda.synchronize(device)
+            if not (came_out and went_in):
+                return (
+                    f"the bytes did not arrive intact (device -> host {came_out}, "
+                    f"host -> device {went_in})"
+                )
     except Exception as exc:  # a refused call, a bad binding: the next executor
         logger.debug("probe copy raised", exc_info=True)
         return repr(exc)
