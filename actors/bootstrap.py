@@ -8,6 +8,7 @@ Their owner is ``tierstore down`` (:func:`shutdown_actors`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -28,7 +29,13 @@ from tierstore.actors.evictor import Evictor
 from tierstore.actors.names import evictor_name
 from tierstore.actors.placement import alive_node_ids, node_store_name, place_node_store
 
-from tierstore.config import MAX_EVICTOR_SHARDS, TierStoreConfig, check_running_config
+from tierstore.config import (
+    AUTO_SHARDS,
+    MAX_EVICTOR_SHARDS,
+    TierStoreConfig,
+    check_running_config,
+    evictor_shards_for,
+)
 from tierstore.errors import ClusterUnavailableError
 from tierstore.private_files import LockTimeoutError, locked_file, user_dir
 
@@ -211,33 +218,58 @@ def evictor_clients(
 ) -> list[EvictorClient]:
     """One client per Evictor shard, in shard order (index = shard), each with
     ``timeout_s`` as its deadline; the shards are started or found and checked first
-    (:func:`get_or_create_evictors`)."""
+    (:func:`get_or_create_evictors`). As many as shard 0 runs with, whatever ``cfg``'s
+    ``evictor_shards`` (``"auto"`` included)."""
     return [EvictorClient(handle, timeout_s) for handle in get_or_create_evictors(cfg)]
 
 
 def get_or_create_evictors(cfg: TierStoreConfig) -> list[ray.actor.ActorHandle]:
-    """Every Evictor shard (``cfg.evictor_shards``, named
-    :func:`~tierstore.actors.names.evictor_name`), in shard order.
+    """Every Evictor shard (named :func:`~tierstore.actors.names.evictor_name`), in shard
+    order: :func:`running_evictors`' handles."""
+    return running_evictors(cfg)[1]
 
-    Shard 0 is created next to its first caller (`tierstore up` runs on the head node,
-    which lives as long as the cluster), shard ``i`` on the ``i``-th alive node after
-    it (round-robin); soft, so a restart after that node's loss goes elsewhere. Shard 0
-    is started and its config checked before the others start: one started earlier with
-    other values of :data:`~tierstore.config.ACTOR_KEYS` (``evictor_shards`` among them)
-    raises :class:`~tierstore.config.ConfigMismatchError` naming them, and nothing more
-    is started. Blocks until every shard answers which config it runs with (up to
-    ``START_TIMEOUT_S`` in all)."""
+
+def running_evictors(cfg: TierStoreConfig) -> tuple[TierStoreConfig, list[ray.actor.ActorHandle]]:
+    """``cfg`` as the actors run it, and every Evictor shard's handle in shard order.
+
+    Shard 0 is started or found first, next to its first caller (`tierstore up` runs on
+    the head node, which lives as long as the cluster), and its config checked: one
+    started earlier with other values of :data:`~tierstore.config.ACTOR_KEYS` raises
+    :class:`~tierstore.config.ConfigMismatchError` naming them, and nothing more is
+    started. ``evictor_shards`` is fixed there: a new shard 0 gets ``cfg``'s number, or
+    for ``"auto"`` :func:`~tierstore.config.evictor_shards_for` the nodes alive now; a
+    caller whose ``cfg`` says ``"auto"`` adopts the number shard 0 runs with (of two
+    racing, both end with the winner's), and the config returned names it. Shard ``i``
+    then starts on the ``i``-th alive node after this one (round-robin); soft, so a
+    restart after that node's loss goes elsewhere. Blocks until every shard answers
+    which config it runs with (up to ``START_TIMEOUT_S`` in all)."""
     here = this_node_id()
-    others = sorted(alive_node_ids() - {here})
-    nodes = [here, *others]
+    nodes = [here, *sorted(alive_node_ids() - {here})]
     deadline = time.monotonic() + START_TIMEOUT_S
-    first = _start_evictor(cfg, 0, here)
-    _check_evictor(cfg, 0, EvictorClient(first, START_TIMEOUT_S).config(), deadline)
-    rest = [_start_evictor(cfg, i, nodes[i % len(nodes)]) for i in range(1, cfg.evictor_shards)]
+    first = _start_evictor(_first_shard_config(cfg, len(nodes)), 0, here)
+    running = EvictorClient(first, START_TIMEOUT_S).config()
+    cfg = _adopt_shards(cfg, running.result(max(0.0, deadline - time.monotonic())))
+    rest = [_start_evictor(cfg, i, nodes[i % len(nodes)]) for i in range(1, cfg.shard_count)]
     answers = [EvictorClient(handle, START_TIMEOUT_S).config() for handle in rest]
     for shard, answer in enumerate(answers, start=1):
         _check_evictor(cfg, shard, answer, deadline)
-    return [first, *rest]
+    return cfg, [first, *rest]
+
+
+def _first_shard_config(cfg: TierStoreConfig, nodes: int) -> TierStoreConfig:
+    """What Evictor shard 0 starts with if none runs yet: ``cfg``, its ``"auto"`` shards
+    chosen for ``nodes`` alive nodes."""
+    if cfg.evictor_shards != AUTO_SHARDS:
+        return cfg
+    return dataclasses.replace(cfg, evictor_shards=evictor_shards_for(nodes))
+
+
+def _adopt_shards(cfg: TierStoreConfig, running: TierStoreConfig) -> TierStoreConfig:
+    """``cfg`` checked against shard 0's ``running`` config, with its shard count."""
+    check_running_config(cfg, running, _evictor_what(0, running.shard_count))
+    if cfg.evictor_shards == AUTO_SHARDS:
+        logger.info("evictor_shards 'auto': %d, as Evictor shard 0 runs", running.shard_count)
+    return dataclasses.replace(cfg, evictor_shards=running.shard_count)
 
 
 def _start_evictor(cfg: TierStoreConfig, shard: int, node_id: str) -> ray.actor.ActorHandle:
@@ -264,7 +296,7 @@ def _check_evictor(
     cfg: TierStoreConfig, shard: int, answer: Pending[TierStoreConfig], deadline: float
 ) -> None:
     running = answer.result(max(0.0, deadline - time.monotonic()))
-    check_running_config(cfg, running, _evictor_what(shard, cfg.evictor_shards))
+    check_running_config(cfg, running, _evictor_what(shard, cfg.shard_count))
 
 
 def _evictor_what(shard: int, shards: int) -> str:
@@ -276,11 +308,12 @@ def get_or_create_node_store(
     cfg: TierStoreConfig, node_id: str | None = None
 ) -> ray.actor.ActorHandle:
     """The NodeStore of ``node_id`` (default: this process's node), pinned to it; after
-    the Evictor shards' configs are checked (:func:`get_or_create_evictors`), so a config
-    that differs starts nothing. Returns without waiting on the NodeStore."""
+    the Evictor shards' configs are checked (:func:`running_evictors`), so a config
+    that differs starts nothing; a new NodeStore runs with their shard count. Returns
+    without waiting on the NodeStore."""
     node_id = node_id or this_node_id()
-    get_or_create_evictors(cfg)
-    return place_node_store(cfg, node_id)
+    resolved, _ = running_evictors(cfg)
+    return place_node_store(resolved, node_id)
 
 
 def find_node_store(namespace: str, node_id: str) -> ray.actor.ActorHandle:
@@ -295,10 +328,12 @@ def start_actors(cfg: TierStoreConfig) -> list[Pending[TierStoreConfig]]:
     until the shards answer (a config that differs from theirs raises there, before any
     NodeStore starts); returns one ``config`` call per actor, each answered once that
     actor is up, with ``START_TIMEOUT_S`` as its deadline (a caller may show progress,
-    and checks each with :func:`check_started`)."""
-    evictors = evictor_clients(cfg, START_TIMEOUT_S)
+    and checks each with :func:`check_started`). New NodeStores run with the shards'
+    shard count (:func:`running_evictors`)."""
+    resolved, handles = running_evictors(cfg)
+    evictors = [EvictorClient(handle, START_TIMEOUT_S) for handle in handles]
     stores = [
-        NodeStoreClient(place_node_store(cfg, node_id), node_id, START_TIMEOUT_S)
+        NodeStoreClient(place_node_store(resolved, node_id), node_id, START_TIMEOUT_S)
         for node_id in sorted(alive_node_ids())
     ]
     return [*[evictor.config() for evictor in evictors], *[store.config() for store in stores]]

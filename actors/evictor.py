@@ -61,16 +61,17 @@ _RECONCILE_TIMEOUT_S = 60.0
 
 
 class Evictor:
-    """One shard of the index (``shard``, of ``cfg.evictor_shards``). Shard 0 also keeps
-    one NodeStore on every alive node: a node that joins gets one within a reconcile
-    period. Every shard forgets the chunks of a node that leaves, and has a NodeStore it
-    does not know offer it its share again (:meth:`reconcile`)."""
+    """One shard of the index (``shard``, of ``cfg.evictor_shards``: a number, never
+    ``"auto"``, which its starter resolves, :mod:`tierstore.actors.bootstrap`). Shard 0
+    also keeps one NodeStore on every alive node: a node that joins gets one within a
+    reconcile period. Every shard forgets the chunks of a node that leaves, and has a
+    NodeStore it does not know offer it its share again (:meth:`reconcile`)."""
 
     def __init__(self, cfg: TierStoreConfig, shard: int = 0) -> None:
-        if not 0 <= shard < cfg.evictor_shards:
+        if not 0 <= shard < cfg.shard_count:
             raise ConfigError(
-                f"Evictor shard {shard!r}: expected 0 to {cfg.evictor_shards - 1} "
-                f"(evictor_shards is {cfg.evictor_shards})"
+                f"Evictor shard {shard!r}: expected 0 to {cfg.shard_count - 1} "
+                f"(evictor_shards is {cfg.shard_count})"
             )
         self._cfg = cfg
         self._shard = shard
@@ -442,7 +443,7 @@ class Evictor:
         chunks, its chunk count and counters."""
         return {
             "shard": self._shard,
-            "shards": self._cfg.evictor_shards,
+            "shards": self._cfg.shard_count,
             "nodes": {
                 node: {
                     tier.value: {"used_bytes": u, "capacity_bytes": c, "chunks": n}

@@ -148,8 +148,9 @@ def capacity_shares(total: int, shards: int) -> list[int]:
 
 class NodeStore:
     """One node's tiers. Talks to every Evictor shard (found by name, ``cfg.evictor_shards``
-    of them): registers with each its share of the node's tiers (:func:`capacity_shares`),
-    and offers each the shards whose root maps to it (the core's port is a
+    of them: a number, never ``"auto"``, which its starter resolves): registers with each
+    its share of the node's tiers (:func:`capacity_shares`), and offers each the shards
+    whose root maps to it (the core's port is a
     :class:`~tierstore.store.evictor_shards.ShardedEvictorPort` over the shards' clients).
     A shard that restarted and no longer knows this node (``UnknownNodeError``) has it
     register and re-offer that shard's part again, as the shard's own reconcile would."""
@@ -157,7 +158,7 @@ class NodeStore:
     def __init__(self, node_id: str, cfg: TierStoreConfig) -> None:
         self._evictors = [
             EvictorClient(ray.get_actor(evictor_name(shard), namespace=cfg.namespace))
-            for shard in range(cfg.evictor_shards)
+            for shard in range(cfg.shard_count)
         ]
         self._me = NodeStoreClient(ray.get_runtime_context().current_actor, node_id)
         self._reregistering: set[int] = set()  # shards a reregister was sent for
@@ -167,8 +168,8 @@ class NodeStore:
         self._node_id = node_id
         self._cfg = cfg
         self._shares = ShareBook(
-            capacity_shares(cfg.cpu_bytes_per_node, cfg.evictor_shards),
-            capacity_shares(cfg.disk_bytes_per_node, cfg.evictor_shards),
+            capacity_shares(cfg.cpu_bytes_per_node, cfg.shard_count),
+            capacity_shares(cfg.disk_bytes_per_node, cfg.shard_count),
         )
         self._id = ray.get_runtime_context().get_actor_id()
         self._register()

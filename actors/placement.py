@@ -15,7 +15,9 @@ __all__ = ["EVICTOR_NAME", "alive_node_ids", "node_store_name", "place_node_stor
 def place_node_store(cfg: TierStoreConfig, node_id: str) -> ray.actor.ActorHandle:
     """Start (or find) the NodeStore of ``node_id``; returns at once, never waits on it.
     Its concurrency groups are given here: Ray takes them only in ``ray.remote``. It
-    finds the Evictor shards by name (``cfg.evictor_shards`` of them)."""
+    finds the Evictor shards by name (``cfg.evictor_shards`` of them: ``cfg`` names the
+    number the shards run with, as :func:`~tierstore.actors.bootstrap.running_evictors`
+    returns it, or an Evictor's own)."""
     return (
         ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(NodeStore)  # type: ignore[call-overload]
         .options(

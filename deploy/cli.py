@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import time
+import typing
 from typing import TYPE_CHECKING, Any
 
 from tierstore.deploy.bench.__main__ import add_arguments as add_bench_arguments
@@ -45,9 +46,11 @@ def _connect(address: str | None, namespace: str) -> None:
 
 def collect_status(namespace: str) -> dict[str, Any]:
     """Per node and tier: used and capacity bytes and chunks (the NodeStores'); cluster
-    totals (the Evictor shards' counters summed); per Evictor shard, its share of the
-    nodes' tiers and its chunks (``shards``). A shard that does not answer is listed with
-    its error and left out of the totals; if none answers, its error is raised."""
+    totals (the Evictor shards' counters summed); the number of Evictor shards the actors
+    run with (``evictor_shards``, resolved if the config said ``"auto"``); per Evictor
+    shard, its share of the nodes' tiers and its chunks (``shards``). A shard that does
+    not answer is listed with its error and left out of the totals; if none answers, its
+    error is raised."""
     shards, answered = _evictor_statuses(namespace)
     nodes = _node_statuses(namespace)
     stats: dict[str, int] = {}
@@ -63,7 +66,12 @@ def collect_status(namespace: str) -> dict[str, Any]:
         found_by_nodes = sum(node["stats"].get(counter, 0) for node in nodes)
         stats[counter] = max(stats.get(counter, 0), found_by_nodes)
     indexed = sum(answer["chunks"] for answer in answered)
-    return {"nodes": nodes, "totals": {**stats, "indexed_chunks": indexed}, "shards": shards}
+    return {
+        "nodes": nodes,
+        "totals": {**stats, "indexed_chunks": indexed},
+        "evictor_shards": answered[0]["shards"],
+        "shards": shards,
+    }
 
 
 def _evictor_statuses(namespace: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -151,7 +159,8 @@ def _disk_note(node: dict[str, Any]) -> str:
 
 def format_status(status: dict[str, Any]) -> str:
     """Per node and tier: occupancy; per node: what it stored, served and found corrupt,
-    and a disk tier degraded by failed writes; with several Evictor shards, a line each."""
+    and a disk tier degraded by failed writes; how many Evictor shards run, and with
+    several, a line each."""
     header = (
         f"{'node':<13} {'tier':<4} {'used':>10} {'capacity':>10} {'chunks':>7} "
         f"{'stores':>7} {'loads':>7} {'corrupt':>7}"
@@ -185,6 +194,8 @@ def format_status(status: dict[str, Any]) -> str:
         f"{totals['corrupt_after_hit']} after HIT, disk writes failed "
         f"{totals.get('disk_write_failures', 0)}"
     )
+    if "evictor_shards" in status:
+        lines.append(f"evictor shards: {status['evictor_shards']}")
     return "\n".join(lines + _shard_lines(status.get("shards", [])))
 
 
@@ -236,14 +247,20 @@ def _flag_of(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _takes_int(key: str) -> bool:
+    """Whether config key ``key`` takes an int, alone or beside other forms (``"auto"``)."""
+    hint = typing.get_type_hints(TierStoreConfig)[key]
+    return hint is int or int in typing.get_args(hint)
+
+
 def _config_from_flags(args: argparse.Namespace) -> TierStoreConfig:
     given: dict[str, Any] = {"namespace": args.namespace, "ray_address": args.address}
     for field in dataclasses.fields(TierStoreConfig):
         value = getattr(args, field.name, None)
         if field.name in _CLUSTER_KEYS or value is None:
             continue
-        if field.type in ("int", int) and value.isascii() and value.isdigit():
-            value = int(value)  # other forms ("8GiB") are parsed by the config
+        if _takes_int(field.name) and value.isascii() and value.isdigit():
+            value = int(value)  # other forms ("8GiB", "auto") are parsed by the config
         elif field.type in ("float", float):
             try:
                 if not value.isascii():  # float() takes other scripts' digits too

@@ -57,7 +57,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import ray
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
@@ -72,8 +72,9 @@ from ray.serve.request_router import (
 from tierstore.actors.clients import EvictorClient
 from tierstore.actors.names import evictor_name
 
+from tierstore.config import AUTO_SHARDS
 from tierstore.keys import ChunkKey, Namespace, NodeId, root_of, shard_of
-from tierstore.wire import holders_of
+from tierstore.wire import config_of, holders_of
 
 logger = logging.getLogger(__name__)
 
@@ -185,24 +186,29 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         kv_groups: Sequence[int] = (1,),
         world_size: int = 1,
         ray_namespace: str = "tierstore",
-        evictor_shards: int = 1,
+        evictor_shards: int | Literal["auto"] = AUTO_SHARDS,
         index_timeout_s: float = 0.05,
         device_blocks: int = 100_000,
         tokenizer: str | None = None,
         hash_name: str = "sha256",
     ) -> None:
         """``namespace``: the engines' tierstore namespace (digest). ``ray_namespace``
-        and ``evictor_shards``: tierstore's ``namespace`` and ``evictor_shards`` keys.
+        and ``evictor_shards``: tierstore's ``namespace`` and ``evictor_shards`` keys
+        (``"auto"``: the number Evictor shard 0 runs with, asked with the first index
+        call and again after one fails).
         ``world_size``: the engines' ranks (TP x PP): a chunk is held where every rank
         is. ``index_timeout_s``: the longest a request waits for tierstore's answer.
-        Raises ValueError for a bad block size or group list."""
+        Raises ValueError for a bad block size, group list or shard count."""
         if not namespace:
             raise ValueError("TierAwareRouter needs the engines' tierstore namespace")
         self._namespace = Namespace(namespace)
         self._keys_of = KeyMaker(block_size, kv_groups, hash_name)
         self._world_size = world_size
         self._ray_namespace = ray_namespace
-        self._shards = evictor_shards
+        if not isinstance(evictor_shards, int) and evictor_shards != AUTO_SHARDS:
+            raise ValueError(f"evictor_shards: expected a number or 'auto', got {evictor_shards!r}")
+        self._auto_shards = not isinstance(evictor_shards, int)
+        self._shards: int | None = evictor_shards if isinstance(evictor_shards, int) else None
         self._timeout_s = index_timeout_s
         self._device_blocks = device_blocks
         self._devices: dict[ReplicaID, DeviceRecord] = {}
@@ -258,9 +264,10 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Per key of ``prompt``, the nodes holding it: one call to the Evictor shard of
         the prompt's root, at most ``index_timeout_s``; None when it failed or was late."""
         first = prompt.keys[0][1]
-        shard = shard_of(root_of(self._namespace, first), self._shards)
+        shard = 0  # shard 0 is asked for the shard count until it is known
         try:
             async with asyncio.timeout(self._timeout_s):
+                shard = shard_of(root_of(self._namespace, first), await self._shard_count())
                 evictor = await self._evictor(shard)
                 pending = evictor.holders(
                     self._namespace, [key for _, key in prompt.keys], self._world_size
@@ -270,8 +277,20 @@ class TierAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         except Exception as exc:  # a timeout, a missing or failing Evictor: Ray's default
             logger.warning("tierstore's index did not answer (%r): routing by load", exc)
             # Its handle is looked up again next time: a restarted Evictor is a new actor.
+            # So is an "auto" shard count: actors started again may run another one.
             self._evictors.pop(shard, None)
+            if self._auto_shards:
+                self._shards = None
             return None
+
+    async def _shard_count(self) -> int:
+        """The Evictor shards: as given, else (``"auto"``) shard 0's running number,
+        asked once after each failed index call (raises as :meth:`_evictor` and the
+        call do)."""
+        if self._shards is None:
+            pending = (await self._evictor(0)).config()
+            self._shards = config_of(await asyncio.wrap_future(pending.ref.future())).shard_count
+        return self._shards
 
     async def _evictor(self, shard: int) -> EvictorClient:
         """Evictor shard ``shard``'s client, its handle looked up in Ray's GCS once, on a

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Final, Literal
 
 from tierstore.errors import ConfigError
 
@@ -35,6 +35,7 @@ VLLM_OWNED_KEYS: frozenset[str] = frozenset(
 
 _MAX_PIN_CHARS = 256  # a model_identity names weights; anything longer is a mistake
 DEFAULT_NAMESPACE = "tierstore"
+AUTO_SHARDS: Final = "auto"  # evictor_shards chosen from the node count (evictor_shards_for)
 # Pinned host memory each CUDA worker reserves at start for jobs that do not go through
 # the node's arena (the object-store path): a 16k-token job of an 8B Llama fits whole.
 DEFAULT_PINNED_BOUNCE_BYTES = 256 << 20
@@ -177,8 +178,11 @@ class TierStoreConfig:
     pulls_per_node: int = 4
     # Evictor shards: each owns the prefix trees whose first chunk hashes to it (their
     # index, leases and eviction), and 1/evictor_shards of every node's tiers. Lookups
-    # and admits of one prefix go to one shard; more shards serve more nodes.
-    evictor_shards: int = 1
+    # and admits of one prefix go to one shard; more shards serve more nodes. "auto":
+    # evictor_shards_for(the alive nodes) when shard 0 first starts; every later process
+    # adopts the number shard 0 runs with (the actors' own configs always name a number:
+    # read it with ``shard_count``).
+    evictor_shards: int | Literal["auto"] = AUTO_SHARDS
     # Pins the model part of the namespace to this name, in place of vLLM's model hash,
     # the model's name and the fingerprint of its weights (the cache settings and the
     # page shape still count): engines that load the same weights from different paths
@@ -239,6 +243,19 @@ class TierStoreConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def shard_count(self) -> int:
+        """``evictor_shards`` as a number: for the actors' configs and the configs the
+        bootstrap resolved (``tierstore.actors.bootstrap``), which always name one. Raises
+        :class:`~tierstore.errors.ConfigError` while it is ``"auto"`` (nothing resolved
+        this config)."""
+        if isinstance(self.evictor_shards, int):
+            return self.evictor_shards
+        raise ConfigError(
+            f"evictor_shards: {self.evictor_shards!r} is chosen when Evictor shard 0 starts; "
+            "this config has not been resolved against the running shards"
+        )
 
 
 # ---- validators: each checks one field (or one relation) and names it in its error ------
@@ -376,13 +393,30 @@ def _check_pulls(cfg: TierStoreConfig) -> None:
 
 
 MAX_EVICTOR_SHARDS = 256
+# The "auto" rule's shards per 100 alive nodes: docs/scaling.md, "The default, auto".
+_SHARDS_PER_100_NODES = 34
+
+
+def evictor_shards_for(nodes: int) -> int:
+    """The Evictor shards ``evictor_shards: "auto"`` runs on a cluster of ``nodes`` alive
+    nodes: 0.34 per node, rounded to the nearest whole number, from 1 to
+    :data:`MAX_EVICTOR_SHARDS`.
+
+    The cost model behind 0.34 (docs/scaling.md) is an upper bound, every node at its peak
+    asking every key: rounding to nearest rather than up still keeps each shard within its
+    core there, and keeps clusters of up to four nodes on one shard, where a second one
+    sharing their cores measured slower."""
+    return max(1, min(MAX_EVICTOR_SHARDS, (nodes * _SHARDS_PER_100_NODES + 50) // 100))
 
 
 def _check_shards(cfg: TierStoreConfig) -> None:
     value = cfg.evictor_shards
+    if value == AUTO_SHARDS:
+        return
     if not _is_int(value) or not 1 <= value <= MAX_EVICTOR_SHARDS:
         raise ConfigError(
-            f"evictor_shards: expected a number of shards from 1 to {MAX_EVICTOR_SHARDS}, "
+            f"evictor_shards: expected a number of shards from 1 to {MAX_EVICTOR_SHARDS}, or "
+            f"{AUTO_SHARDS!r} (chosen from the node count when the first shard starts), "
             f"got {value!r}"
         )
 
@@ -469,11 +503,14 @@ class ConfigMismatchError(ConfigError):
 
 def check_running_config(mine: TierStoreConfig, running: TierStoreConfig, actor: str) -> None:
     """Raise :class:`ConfigMismatchError` naming every key of :data:`ACTOR_KEYS` whose
-    value in ``mine`` differs from the one ``actor`` runs with, both values quoted."""
+    value in ``mine`` differs from the one ``actor`` runs with, both values quoted.
+    ``evictor_shards`` ``"auto"`` in ``mine`` matches any running number: its holder
+    adopts that number."""
     differing = [
         f"{key}: running {getattr(running, key)!r}, this config {getattr(mine, key)!r}"
         for key in ACTOR_KEYS
         if getattr(mine, key) != getattr(running, key)
+        and not (key == "evictor_shards" and mine.evictor_shards == AUTO_SHARDS)
     ]
     if differing:
         raise ConfigMismatchError(

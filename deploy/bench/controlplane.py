@@ -270,7 +270,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The NodeStore maps its CPU tier up front (the node's arena): keep it small; the
     # index accounts only _CHUNK_BYTES per chunk, so 64 MiB holds every key many times.
     cfg = TierStoreConfig(
-        cpu_bytes_per_node=64 << 20, namespace=BENCH_NAMESPACE, lookup_timeout_ms=_NO_DEADLINE_MS
+        cpu_bytes_per_node=64 << 20,
+        namespace=BENCH_NAMESPACE,
+        lookup_timeout_ms=_NO_DEADLINE_MS,
+        evictor_shards=1,  # one Evictor, called directly
     )
     with ray_session(cfg.namespace) as address:
         from tierstore.actors.bootstrap import get_or_create_evictor

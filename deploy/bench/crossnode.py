@@ -196,7 +196,8 @@ def _make_hot(cfg: TierStoreConfig, key: bytes, node_b: str) -> float:
 def run(args: Any) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20]
     # Room for every chunk the run stores on A and copies to B, below the low watermark.
-    cfg = TierStoreConfig(cpu_bytes_per_node=32 * (64 << 20), namespace=NAMESPACE)
+    # One Evictor, called directly (load_after_lookup_s, _make_hot).
+    cfg = TierStoreConfig(cpu_bytes_per_node=32 * (64 << 20), namespace=NAMESPACE, evictor_shards=1)
     with two_nodes(NAMESPACE, "crossnode") as (node_a, node_b, how):
         ensure_actors(cfg)
         try:

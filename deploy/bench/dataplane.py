@@ -261,6 +261,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             cfg = TierStoreConfig(
                 cpu_bytes_per_node=(_REPEATS * (2 + _STREAM_JOBS) + 6) * size,
                 namespace=f"{namespace}-{size >> 20}m",
+                evictor_shards=1,  # one Evictor, called directly (bench_size)
             )
             try:
                 rows.append(bench_size(cfg, size, counter))

@@ -219,7 +219,9 @@ def bench_actor(n: int, batch: int) -> dict[str, Any]:
 
     from tierstore.config import TierStoreConfig
 
-    cfg = TierStoreConfig(cpu_bytes_per_node=4 * n, namespace="tierstore-bench-evictor")
+    cfg = TierStoreConfig(
+        cpu_bytes_per_node=4 * n, namespace="tierstore-bench-evictor", evictor_shards=1
+    )  # one Evictor, called directly
     with ray_session(cfg.namespace):
         evictor = EvictorClient(get_or_create_evictor(cfg))
         node = ray.get_runtime_context().get_node_id()  # a real node: reconcile keeps it

@@ -194,7 +194,9 @@ def measure_case(niceness: str | None, seconds: float) -> dict[str, Any]:
     from tierstore.actors.bootstrap import get_or_create_evictor
     from tierstore.actors.clients import EvictorClient
 
-    cfg = TierStoreConfig(cpu_bytes_per_node=1 << 30, namespace=BENCH_NAMESPACE)
+    cfg = TierStoreConfig(
+        cpu_bytes_per_node=1 << 30, namespace=BENCH_NAMESPACE, evictor_shards=1
+    )  # one Evictor, called directly
     with private_cluster(niceness):
         handle = get_or_create_evictor(cfg)
         evictor = EvictorClient(handle)

@@ -11,6 +11,7 @@ Ray pickles the class by reference: its actor process imports it from this modul
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterable
@@ -21,8 +22,9 @@ import ray
 from tierstore.actors.clients import NodeStoreClient
 from tierstore.actors.evictor import Evictor
 from tierstore.actors.names import evictor_name
+from tierstore.actors.placement import alive_node_ids
 
-from tierstore.config import TierStoreConfig
+from tierstore.config import AUTO_SHARDS, TierStoreConfig, evictor_shards_for
 from tierstore.data.arena.directory import arena_tables
 from tierstore.data.arena.region import ArenaMapping
 from tierstore.data.tiers.disk import ChunkLocation, chunk_records
@@ -70,8 +72,11 @@ class EvictorForTests(Evictor):
 def start_evictor_for_tests(cfg: TierStoreConfig, shard: int = 0) -> ray.actor.ActorHandle:
     """An :class:`EvictorForTests` under Evictor shard ``shard``'s name (none may run
     yet): the bootstrap, the NodeStores and the clients find it as they would the real
-    one. The ``cfg`` fixture's teardown stops it with the other actors. Returns once it
-    answers."""
+    one. An ``"auto"`` shard count is chosen from the alive nodes, as the bootstrap
+    starts shard 0. The ``cfg`` fixture's teardown stops it with the other actors.
+    Returns once it answers."""
+    if cfg.evictor_shards == AUTO_SHARDS:
+        cfg = dataclasses.replace(cfg, evictor_shards=evictor_shards_for(len(alive_node_ids())))
     name = evictor_name(shard)
     handle = cast(
         "ray.actor.ActorHandle",

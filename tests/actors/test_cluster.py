@@ -1,8 +1,10 @@
 """Several simulated nodes (ray.cluster_utils): placement follows nodes joining and leaving;
-the node a process works for."""
+the node a process works for; ``evictor_shards: "auto"`` follows the node count when the
+first shard starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,15 +17,19 @@ from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tierstore.actors.bootstrap import (
     ensure_actors,
+    evictor_clients,
+    find_node_store,
     get_or_create_evictor,
+    running_evictors,
     shutdown_actors,
     this_node_id,
 )
-from tierstore.actors.clients import EvictorClient
+from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.placement import alive_node_ids, node_store_name
+from tierstore.deploy.cli import collect_status, format_status
 
 from tests.support import LOOPBACK, simulated_cluster, wait_for
-from tierstore.config import TierStoreConfig
+from tierstore.config import ConfigMismatchError, TierStoreConfig, evictor_shards_for
 from tierstore.keys import ChunkKey, Namespace
 from tierstore.wire import LookupState, ShardOffer
 
@@ -138,3 +144,50 @@ def test_a_raylet_pid_that_names_no_raylet_falls_back_to_the_attached_node(
     for stale in (str(os.getpid()), "999999999", "not a pid"):
         monkeypatch.setenv("RAY_RAYLET_PID", stale)
         assert this_node_id() == head
+
+
+# The fewest nodes for which "auto" runs more than one Evictor shard.
+_AUTO_NODES = 5
+
+
+def test_auto_shards_follow_the_nodes_when_shard_0_starts_and_are_adopted_after(
+    cluster: Cluster,
+) -> None:
+    shutdown_actors(NAMESPACE)  # the tests above ran one shard
+    listed = {node.node_id for node in cluster.list_all_nodes()}
+    wait_for(lambda: alive_node_ids() == listed, "only the cluster's own nodes alive", _WAIT_S)
+    added = [
+        cluster.add_node(num_cpus=1, node_ip_address=LOOPBACK)
+        for _ in range(_AUTO_NODES - len(listed))
+    ]
+    wait_for(lambda: len(alive_node_ids()) == _AUTO_NODES, f"{_AUTO_NODES} nodes", _WAIT_S)
+    shards = evictor_shards_for(_AUTO_NODES)
+    assert shards == 2
+
+    cfg = TierStoreConfig(cpu_bytes_per_node=1 << 20, namespace=NAMESPACE)  # "auto"
+    ensure_actors(cfg)  # as `tierstore up` does: shard 0 is started with the rule's number
+    resolved, handles = running_evictors(cfg)
+    assert resolved == dataclasses.replace(cfg, evictor_shards=shards)
+    assert [EvictorClient(h).config().result() for h in handles] == [resolved] * shards
+    nodes = alive_node_ids()
+    for node in nodes:  # every NodeStore runs with that number, registered with each shard
+        assert NodeStoreClient(find_node_store(NAMESPACE, node), node).config().result() == resolved
+    statuses = [EvictorClient(h).status().result() for h in handles]
+    assert all(set(status["nodes"]) == nodes for status in statuses)
+    for node in nodes:
+        shares = [status["nodes"][node]["cpu"]["capacity_bytes"] for status in statuses]
+        assert sum(shares) == cfg.cpu_bytes_per_node and all(shares)
+    status = collect_status(NAMESPACE)
+    assert status["evictor_shards"] == shards
+    assert f"evictor shards: {shards}" in format_status(status)
+
+    # The cluster shrinks to where the rule says 1: a later "auto" caller adopts shard 0's
+    # number all the same, and one naming another number is refused.
+    shard_1_node = min(nodes - {ray.get_runtime_context().get_node_id()})  # round-robin
+    cluster.remove_node(next(n for n in added if n.node_id != shard_1_node))
+    wait_for(lambda: len(alive_node_ids()) == _AUTO_NODES - 1, "a node gone", _WAIT_S)
+    assert evictor_shards_for(_AUTO_NODES - 1) == 1
+    assert len(evictor_clients(cfg)) == shards
+    refused = f"evictor_shards: running {shards}, this config 1"
+    with pytest.raises(ConfigMismatchError, match=refused):
+        ensure_actors(dataclasses.replace(cfg, evictor_shards=1))

@@ -26,6 +26,11 @@ _DEADLINE_S = 1.0
 _SLACK_S = 10.0  # a deadline's overshoot allowed on a loaded machine
 
 
+def _as_run(cfg: TierStoreConfig) -> TierStoreConfig:
+    """``cfg`` as the actors run it on this one-node cluster: ``"auto"`` is one shard."""
+    return dataclasses.replace(cfg, evictor_shards=1)
+
+
 def _running(node: str) -> tuple[TierStoreConfig, TierStoreConfig]:
     evictor = EvictorClient(ray.get_actor(EVICTOR_NAME, namespace=NAMESPACE))
     store = NodeStoreClient(find_node_store(NAMESPACE, node), node)
@@ -46,7 +51,7 @@ def test_an_engine_with_other_actor_keys_is_refused_naming_them(cfg: TierStoreCo
     assert f"tierstore down --namespace {NAMESPACE}" in message
     with pytest.raises(ConfigMismatchError, match="cpu_bytes_per_node"):
         ensure_actors(other)  # what `tierstore up` and the benchmarks call
-    assert _running(node) == (cfg, cfg)  # the actors run on, with the first config
+    assert _running(node) == (_as_run(cfg),) * 2  # the actors run on, with the first config
 
 
 def test_keys_of_one_engine_may_differ_from_the_first(cfg: TierStoreConfig) -> None:
@@ -62,7 +67,7 @@ def test_keys_of_one_engine_may_differ_from_the_first(cfg: TierStoreConfig) -> N
     node = ray.get_runtime_context().get_node_id()
     get_or_create_node_store(mine, node)
     ensure_actors(mine)
-    assert _running(node) == (cfg, cfg)
+    assert _running(node) == (_as_run(cfg),) * 2
 
 
 def test_up_waits_for_its_actors_with_a_deadline(cfg: TierStoreConfig, tmp_path: Path) -> None:

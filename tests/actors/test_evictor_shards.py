@@ -22,6 +22,7 @@ from tierstore.actors.bootstrap import (
     evictor_clients,
     find_node_store,
     running_evictor_names,
+    running_evictors,
     shutdown_actors,
 )
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
@@ -96,6 +97,16 @@ def test_other_shard_counts_are_refused_before_anything_starts(cfg: TierStoreCon
     with pytest.raises(ConfigMismatchError, match="evictor_shards: running 1, this config 3"):
         ensure_actors(more)
     assert running_evictor_names(NAMESPACE) == [evictor_name(0)]  # shard 1 never started
+
+
+def test_an_auto_config_adopts_the_number_shard_0_runs_with(sharded: TierStoreConfig) -> None:
+    """Two shards set by hand on this one node, where "auto" would choose one: a later
+    "auto" caller (an engine, `tierstore up`) uses both."""
+    ensure_actors(sharded)
+    auto = dataclasses.replace(sharded, evictor_shards="auto")
+    assert running_evictors(auto)[0] == sharded
+    assert len(evictor_clients(auto)) == SHARDS
+    ensure_actors(auto)  # its NodeStore check passes too
 
 
 def test_only_shard_0_places_node_stores(sharded: TierStoreConfig, tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ def test_up_status_down_on_a_running_cluster(ray_head: RayHead) -> None:
     up = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=64MiB", "--lease-ttl-s=5")
     assert up.returncode == 0, up.stderr[-4000:]
     assert "64.0 MiB" in up.stdout  # the status table it prints: the CPU tier's capacity
+    assert "evictor shards: 1" in up.stdout.splitlines()  # "auto", on one node
 
     again = _tierstore(ray_head, "up", *cluster, "--cpu-bytes-per-node=64MiB")
     assert again.returncode == 0, again.stderr[-4000:]  # finds the running actors
@@ -64,6 +65,7 @@ def test_up_status_down_on_a_running_cluster(ray_head: RayHead) -> None:
     (node,) = report["nodes"]
     assert node["cpu"] == {"used_bytes": 0, "capacity_bytes": 64 << 20, "chunks": 0}
     assert report["totals"]["indexed_chunks"] == 0
+    assert report["evictor_shards"] == 1
 
     down = _tierstore(ray_head, "down", *cluster)
     assert down.returncode == 0, down.stderr[-4000:]

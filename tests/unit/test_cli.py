@@ -52,6 +52,12 @@ def test_up_flags_build_the_same_validated_config_as_the_engine() -> None:
     assert _up("--cpu-bytes-per-node=1GiB", "--disk-fsync=false").disk_fsync is False
 
 
+def test_up_takes_a_number_of_evictor_shards_or_auto() -> None:
+    assert _up("--cpu-bytes-per-node=1GiB").evictor_shards == "auto"
+    assert _up("--cpu-bytes-per-node=1GiB", "--evictor-shards=auto").evictor_shards == "auto"
+    assert _up("--cpu-bytes-per-node=1GiB", "--evictor-shards=12").evictor_shards == 12
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -64,6 +70,9 @@ def test_up_flags_build_the_same_validated_config_as_the_engine() -> None:
         (["--lease-ttl-s=\u0661\u0662"], "--lease-ttl-s: expected a number"),
         (["--cpu-bytes-per-node=\u0661\u0662"], "cpu_bytes_per_node: expected a byte size"),
         (["--lease-ttl-s=1e10"], "lease_ttl_s: expected a positive number of s up to 86400"),
+        (["--evictor-shards=Auto2"], "evictor_shards: expected .* or 'auto'.*got 'Auto2'"),
+        (["--evictor-shards=0"], "evictor_shards: expected .* got 0"),
+        (["--evictor-shards=1.5"], "evictor_shards: expected .* got '1.5'"),
     ],
 )
 def test_up_rejects_bad_values_by_name(flags: list[str], message: str) -> None:
@@ -93,3 +102,6 @@ def test_status_table_has_a_row_per_node_and_tier_with_stores_loads_corruptions(
     assert "3.0 MiB" in cpu_row and "1.0 GiB" in cpu_row
     assert "hit rate 75.0 %" in text
     assert "failed stores 4" in text
+    assert "evictor shards" not in text  # no shards in what it was given
+    text = format_status({"nodes": [node], "totals": totals, "evictor_shards": 1, "shards": []})
+    assert "evictor shards: 1" in text.splitlines()

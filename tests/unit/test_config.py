@@ -10,9 +10,11 @@ import pytest
 from tierstore.config import (
     ACTOR_KEYS,
     ENGINE_KEYS,
+    MAX_EVICTOR_SHARDS,
     ConfigMismatchError,
     TierStoreConfig,
     check_running_config,
+    evictor_shards_for,
     parse_bool,
     parse_bytes,
 )
@@ -254,3 +256,56 @@ def test_the_pinned_bounce_pool_size_parses_and_has_a_floor() -> None:
         with pytest.raises(ConfigError, match="pinned_bounce_bytes") as error:
             TierStoreConfig.from_extra_config({**base, "pinned_bounce_bytes": bad})
         assert repr(bad) in str(error.value)
+
+
+# ---- evictor_shards: a number, or "auto" from the node count (issue 28 item 1) -------------
+def test_evictor_shards_is_auto_by_default_and_takes_a_number_or_auto() -> None:
+    assert TierStoreConfig(cpu_bytes_per_node=1).evictor_shards == "auto"
+    for value in ("auto", 1, 7, MAX_EVICTOR_SHARDS):
+        cfg = TierStoreConfig.from_extra_config(_extra(evictor_shards=value))
+        assert cfg.evictor_shards == value
+    assert TierStoreConfig(cpu_bytes_per_node=1, evictor_shards=7).shard_count == 7
+
+
+@pytest.mark.parametrize("bad", ["Auto2", "AUTO", " auto", "4", 0, 257, 1.5, 2.0, True, None])
+def test_other_shard_counts_are_refused_naming_the_key_and_its_forms(bad: object) -> None:
+    with pytest.raises(ConfigError) as error:
+        TierStoreConfig.from_extra_config(_extra(evictor_shards=bad))
+    message = str(error.value)
+    assert message.startswith("evictor_shards: expected a number of shards from 1 to 256, or")
+    assert "'auto' (chosen from the node count" in message
+    assert message.endswith(f"got {bad!r}")
+
+
+def test_an_auto_shard_count_has_no_number_until_it_is_resolved() -> None:
+    with pytest.raises(ConfigError, match="evictor_shards: 'auto' is chosen when Evictor shard 0"):
+        _ = TierStoreConfig(cpu_bytes_per_node=1).shard_count
+
+
+@pytest.mark.parametrize(
+    ("nodes", "shards"),
+    [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (8, 3), (16, 5), (64, 22), (752, 256)],
+)
+def test_auto_runs_a_third_of_a_shard_per_node_rounded(nodes: int, shards: int) -> None:
+    """docs/scaling.md's rule: 0.34 shards per node, to the nearest, one at least."""
+    assert evictor_shards_for(nodes) == shards
+
+
+def test_auto_is_capped_at_the_most_shards() -> None:
+    """1,000 nodes would need 340 by the cost model: past the cap."""
+    assert evictor_shards_for(1_000) == MAX_EVICTOR_SHARDS
+    assert evictor_shards_for(751) == MAX_EVICTOR_SHARDS - 1
+
+
+def test_auto_matches_any_running_shard_count_and_a_number_must_equal_it() -> None:
+    running = TierStoreConfig(cpu_bytes_per_node=1, evictor_shards=3)
+    check_running_config(TierStoreConfig(cpu_bytes_per_node=1), running, "Evictor shard 0")
+    check_running_config(dataclasses.replace(running, lease_ttl_s=1.0), running, "shard 0")
+    with pytest.raises(ConfigMismatchError, match="evictor_shards: running 3, this config 2"):
+        check_running_config(dataclasses.replace(running, evictor_shards=2), running, "shard 0")
+    # "auto" matches only the shard count: another actor key still differs.
+    other = TierStoreConfig(cpu_bytes_per_node=2)
+    with pytest.raises(ConfigMismatchError) as error:
+        check_running_config(other, running, "Evictor shard 0")
+    assert "cpu_bytes_per_node: running 1, this config 2" in str(error.value)
+    assert "evictor_shards" not in str(error.value)

@@ -114,7 +114,7 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     | st.integers(max_value=-1)
     | st.integers(min_value=65)
     | st.floats(),
-    "evictor_shards": _not_number
+    "evictor_shards": _not_number.filter(lambda v: v != "auto")
     | st.integers(max_value=0)
     | st.integers(min_value=257)
     | st.floats(),

@@ -40,7 +40,8 @@ class _SlowEvictor(Evictor):
 def test_a_late_answer_is_a_counted_miss_and_its_lease_is_given_back(
     cfg: TierStoreConfig,
 ) -> None:
-    cfg = dataclasses.replace(cfg, lookup_timeout_ms=_TIMEOUT_MS)
+    # A lone Evictor started here: one shard.
+    cfg = dataclasses.replace(cfg, lookup_timeout_ms=_TIMEOUT_MS, evictor_shards=1)
     handle = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
     slow = EvictorClient(handle)
     node = ray.get_runtime_context().get_node_id()

@@ -105,7 +105,8 @@ class _SlowEvictor(Evictor):
 
 
 def test_scheduler_calls_do_not_wait_for_a_slow_evictor(cfg: TierStoreConfig) -> None:
-    cfg = dataclasses.replace(cfg, lookup_timeout_ms=60_000.0)  # RETRY throughout
+    # RETRY throughout; a lone Evictor started here: one shard.
+    cfg = dataclasses.replace(cfg, lookup_timeout_ms=60_000.0, evictor_shards=1)
     slow = ray.remote(_SlowEvictor).options(num_cpus=0).remote(cfg)
     manager = TierStoreManager(cfg, NS, EvictorChannel(EvictorClient(slow)))
     ctx = ReqContext(req_id="r2")
