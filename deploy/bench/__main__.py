@@ -56,14 +56,22 @@ def _key_value(text: str) -> str:
     return text
 
 
-def _counts(text: str) -> list[int]:
+def _numbers(text: str, least: int, what: str) -> list[int]:
     try:
-        counts = [int(part) for part in text.split(",")]
+        numbers = [int(part) for part in text.split(",")]
     except ValueError:
-        counts = []
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"expected counts like 1,2; got {text!r}")
-    return counts
+        numbers = []
+    if not numbers or min(numbers) < least:
+        raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
+    return numbers
+
+
+def _counts(text: str) -> list[int]:
+    return _numbers(text, 1, "counts like 1,2")
+
+
+def _cores(text: str) -> list[int]:
+    return _numbers(text, 0, "core numbers like 0,1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +152,14 @@ def _add_control_plane_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--groups", type=int, default=3, help="controlplane --shards: KV groups")
     parser.add_argument("--tp", type=int, default=2, help="controlplane --shards: TP ranks")
+    parser.add_argument(
+        "--shard-cores",
+        type=_cores,
+        default=None,
+        metavar="C[,C...]",
+        help="controlplane --shards: bind shard i's process to core C[i] (a core of its own; "
+        "run the benchmark itself on the other cores, e.g. under taskset)",
+    )
 
 
 def run_benchmark(args: argparse.Namespace) -> int:

@@ -287,10 +287,28 @@ def _own_cpu_s() -> float:
     return times.user + times.system
 
 
+def _bind_to_core(handle: Any, core: int) -> list[int]:
+    """Bind every thread of an actor's process to ``core`` (threads it starts later
+    inherit it); returns the cores it may run on now."""
+    import ray
+
+    def bind(_self: object, core: int) -> list[int]:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), {core})
+        return sorted(os.sched_getaffinity(0))
+
+    return list(ray.get(handle.__ray_call__.remote(bind, core), timeout=60))
+
+
 def bench_shards(
-    shards: int, shape: Shape, chunks_per_node: int, per_engine: int
+    shards: int,
+    shape: Shape,
+    chunks_per_node: int,
+    per_engine: int,
+    shard_cores: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One S on a fresh simulated cluster of ``shape.nodes`` raylets."""
+    """One S on a fresh simulated cluster of ``shape.nodes`` raylets; with
+    ``shard_cores``, shard ``i``'s process is bound to ``shard_cores[i]``."""
     import ray
     from ray.cluster_utils import Cluster
     from tierstore.actors.bootstrap import evictor_clients, shutdown_actors
@@ -313,6 +331,11 @@ def bench_shards(
         clients = evictor_clients(cfg)
         nodes = _nodes_with_stores(clients, shape.nodes)
         handles = [c.handle for c in clients]
+        bound = (
+            [_bind_to_core(h, shard_cores[i % len(shard_cores)]) for i, h in enumerate(handles)]
+            if shard_cores
+            else None
+        )
         traces = build_traces(shape, shards, per_engine)
         empty = [_usage(h)[0] for h in handles]  # before any chunk
         driver = Driver(shape, clients, nodes, traces)
@@ -324,6 +347,7 @@ def bench_shards(
             n = shard["chunks"]
             shard["rss_growth_per_chunk"] = (shard["rss_bytes"] - rss) / n if n else None
         row["driver_cpu_share"] = driver.cpu_s / elapsed
+        row["shard_cores"] = bound  # each shard's allowed cores (None: not bound)
         row["engines_that_cycled_their_trace"] = driver.cycled
         return row
     finally:
@@ -445,7 +469,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     chunks_per_node = 5_000 if args.quick else 50_000
     per_engine = 60 if args.quick else 300
-    rows = [bench_shards(s, shape, chunks_per_node, per_engine) for s in args.shards]
+    cores = getattr(args, "shard_cores", None)
+    rows = [bench_shards(s, shape, chunks_per_node, per_engine, cores) for s in args.shards]
     base = rows[0]
     for row in rows:
         row["speedup"] = {
@@ -454,6 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     results: dict[str, Any] = {
         "shape": vars(shape),
+        "cpu_count": os.cpu_count(),
         "chunks_per_node": chunks_per_node,
         "rows": rows,
     }
