@@ -253,10 +253,13 @@ class NodeStoreClient:
         the node named with it, as the hot-chunk copy the Evictor reserved here."""
         return self._call("pull", pulls)
 
-    def wait_pulls(self, shard_ids: list[ShardId], timeout_s: float) -> Pending[list[PullState]]:
-        """A load's join: waits (at most ``timeout_s``, less than this client's deadline)
-        for the pulls of ``shard_ids`` in flight; what each is now."""
-        return self._call("wait_pulls", shard_ids, timeout_s, convert=pull_states_of)
+    def wait_pulls(
+        self, pulls: list[tuple[ShardId, NodeId]], timeout_s: float
+    ) -> Pending[list[PullState]]:
+        """A load's join, or its start: each shard with its holder; a shard neither held
+        on that node nor being pulled there is pulled now. Waits (at most ``timeout_s``,
+        less than this client's deadline) for the shards' pulls; what each is now."""
+        return self._call("wait_pulls", pulls, timeout_s, convert=pull_states_of)
 
     def apply(self, actions: NodeActions) -> Pending[None]:
         return self._call("apply", actions)

@@ -10,11 +10,11 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
   ``reregister``, ``flush_gathered``.
   Waits on the Evictor (deadlines below) and writes to disk. One thread keeps the
   Evictor's decisions applied in the order it made them, as before.
-- ``pulls`` (:data:`PULL_WAIT_THREADS` threads): ``wait_pulls``, a load joining this
-  node's lookup-time pulls (each waits at most its deadline); the pulls themselves run
-  on :class:`~tierstore.store.pulls.Pulls`' own threads (``pulls_per_node``), started
-  by ``pull`` (one-way, from the Evictor) on a data thread, and ``load_shards`` (the
-  holder's side) is a data call.
+- ``pulls`` (:data:`PULL_WAIT_THREADS` threads): ``wait_pulls``, a load joining (or
+  starting) this node's lookup-time pulls (each waits at most its deadline); the pulls
+  themselves run on :class:`~tierstore.store.pulls.Pulls`' own threads
+  (``pulls_per_node``), started by ``pull`` (one-way, from the Evictor) on a data thread
+  or by ``wait_pulls``, and ``load_shards`` (the holder's side) is a data call.
 - the default group (one thread): ``inventory``, ``status`` and ``config``: quick
   reads, answered even while a store waits on ``admit``.
 - a flusher thread (not Ray's): while a TP group's shards are gathered, sends this
@@ -366,12 +366,15 @@ class NodeStore:
             logger.warning("NodeStore %s: a pull message failed", self._node_id, exc_info=True)
 
     @ray.method(concurrency_group="pulls")
-    def wait_pulls(self, shard_ids: list[ShardId], timeout_s: float) -> list[str]:
-        """A load's join: waits (at most ``timeout_s``) for the pulls of ``shard_ids``
-        in flight here; per shard, whether it is held here, its pull failed, or none ran."""
-        ids = [s for s in checked_shard_ids(shard_ids) if s is not None]
-        wait_s = min(float(timeout_s), _BUFFER_TIMEOUT_S)
-        return [state.value for state in self._pulls.wait(ids, max(0.0, wait_s))]
+    def wait_pulls(self, pulls: list[tuple[ShardId, NodeId]], timeout_s: float) -> list[str]:
+        """A load's join, or its start: ``pulls`` names each shard's holder, and one
+        neither held here nor being pulled is pulled now (the load came before the
+        Evictor's pull message). Waits (at most ``timeout_s``) for the shards' pulls;
+        per shard, whether it is held here, its pull failed, or none ran."""
+        asked = pulls_of(pulls)
+        wait_s = max(0.0, min(float(timeout_s), _BUFFER_TIMEOUT_S))
+        states = self._pulls.wait([s for s, _ in asked], wait_s, [h for _, h in asked])
+        return [state.value for state in states]
 
     def _fetch(
         self, holder: NodeId, shard_ids: list[ShardId]

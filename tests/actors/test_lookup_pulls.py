@@ -161,6 +161,55 @@ def test_two_requests_asking_for_the_same_chunks_at_once_make_one_pull(
     assert _loaded_from_a(env) == served_by_a + len(keys)  # each chunk crossed once
 
 
+def test_a_load_right_after_its_lookup_makes_one_pull_whichever_comes_first(
+    two_nodes: dict[str, Any],
+) -> None:
+    """A view hit is loaded in the step that looks it up: the Evictor's pull message and
+    the worker's load reach this node's NodeStore in no set order. Whichever comes first
+    starts the pull and the other joins it (or finds the copy): one call to A, each chunk
+    crosses once, and the copy is kept as the replica the lookup reserved."""
+    env, keys = two_nodes, _keys(4)
+    payload = _store_on_a(env, keys, seed=4)
+    served_by_a, before = _loaded_from_a(env), _pulls_here(env)
+    # As the scheduler sends it: not awaited; the load follows at once.
+    lookup = env["evictor"].lookup(NS, keys, "request-4", 30.0, env["head"])
+    ok, _ = _load(env, keys, job=4)
+    assert ok
+    assert [a.state for a in lookup.result()] == [LookupState.HIT] * len(keys)
+    assert np.array_equal(env["kv"][: len(keys)].numpy().reshape(-1), payload)
+    wait_for(lambda: _pulls_here(env)["in_flight"] == 0, "the pull ended", _WAIT_S)
+    assert _pulls_here(env)["pulls"] == before["pulls"] + 1
+    assert _loaded_from_a(env) == served_by_a + len(keys)
+    wait_for(
+        lambda: (
+            env["evictor"].holders(NS, keys).result()
+            == [frozenset({NodeId(env["a"]), NodeId(env["head"])})] * len(keys)
+        ),
+        "the head's copy indexed beside A's",
+        _WAIT_S,
+    )
+
+
+def test_a_copy_a_load_pulled_unreserved_is_dropped(two_nodes: dict[str, Any]) -> None:
+    """A load with no lookup before it (no copy reserved here) still starts the pull and
+    loads right; the copy that lands is not kept: the Evictor has it dropped, and it
+    still names A alone."""
+    env, keys = two_nodes, _keys(5)
+    payload = _store_on_a(env, keys, seed=5)
+    before = _pulls_here(env)
+    held_here = env["store_here"].status().result()["cpu"]["chunks"]
+    ok, _ = _load(env, keys, job=5)
+    assert ok
+    assert np.array_equal(env["kv"][: len(keys)].numpy().reshape(-1), payload)
+    assert _pulls_here(env)["started_by_loads"] == before["started_by_loads"] + 1
+    wait_for(
+        lambda: env["store_here"].status().result()["cpu"]["chunks"] == held_here,
+        "the unreserved copy dropped",
+        _WAIT_S,
+    )
+    assert env["evictor"].holders(NS, keys).result() == [frozenset({NodeId(env["a"])})] * 3
+
+
 def test_a_pull_whose_holder_died_fails_the_load_within_its_deadline(
     two_nodes: dict[str, Any],
 ) -> None:

@@ -1,7 +1,8 @@
 """A node's lookup-time pulls (tierstore.store.pulls), without Ray: one pull per holder,
-a shard asked for again while in flight is not pulled again, a load's join waits for the
-pull (bounded), a failed pull fails whoever joined it, and a pull still queued fails
-nobody."""
+a shard asked for again while in flight (or once held) is not pulled again, a load that
+comes before the Evictor's pull message starts the pull and the message joins it, a
+load's join waits for the pull (bounded), a failed pull fails whoever joined it, and a
+pull still queued fails nobody."""
 
 from __future__ import annotations
 
@@ -94,3 +95,31 @@ def test_a_pull_queued_behind_a_slow_holder_fails_no_load_from_another_holder() 
     assert pulls.wait([sid(0)], 0.1) == [PullState.FAILED]
     holders.release.set()
     assert pulls.wait([sid(0)], 10) == [PullState.HELD]
+
+
+def test_a_load_before_the_pull_message_starts_the_pull_and_the_message_joins_it() -> None:
+    holders = Holders()
+    pulls = holders.pulls()
+    holders.release.set()
+    # The load names each shard's holder: nothing is in flight, so it starts the pulls,
+    # one per holder, and waits for them.
+    asked = [sid(0, 0), sid(0, 1), sid(1, 0)]
+    assert pulls.wait(asked, 10, [A, A, C]) == [PullState.HELD] * 3
+    assert sorted((h, sorted(ids)) for h, ids in holders.fetches) == sorted(
+        [(A, [sid(0, 0), sid(0, 1)]), (C, [sid(1, 0)])]
+    )
+    # The Evictor's message for the same shards comes second: they are held, no pull.
+    assert pulls.start([(sid(0, 0), A), (sid(0, 1), A), (sid(1, 0), C)]) == 0
+    assert len(holders.fetches) == 2
+    status = pulls.status()
+    assert status["pulls"] == 2 and status["started_by_loads"] == 2 and status["joined"] == 3
+
+
+def test_a_load_after_the_pull_message_joins_its_pull_and_starts_none() -> None:
+    holders = Holders()
+    pulls = holders.pulls()
+    pulls.start([(sid(0), A)])  # the Evictor's message came first
+    holders.release.set()
+    assert pulls.wait([sid(0)], 10, [A]) == [PullState.HELD]
+    assert holders.fetches == [(A, [sid(0)])]
+    assert pulls.status()["started_by_loads"] == 0

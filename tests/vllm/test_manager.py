@@ -433,14 +433,12 @@ def test_a_chunk_the_snapshot_shows_in_memory_here_is_a_hit_with_no_evictor_call
     off.shutdown()
 
 
-def test_a_chunk_the_snapshot_shows_only_on_another_node_is_asked_first_with_pulls(
+def test_a_chunk_the_snapshot_shows_only_on_another_node_is_leased_in_the_same_step(
     cfg: TierStoreConfig,
 ) -> None:
-    """With pulls at lookup (``pulls_per_node``, the default), a chunk the view shows only
-    on another node is asked first: that lookup starts this node's pull, which the load a
-    step later joins (loaded at once, it would fetch the bytes itself beside the pull).
-    Without pulls it is a HIT at once, its load waiting on that node: its lookup goes out
-    at the end of the same step. Either way the lease keeps the chunk."""
+    """A view hit on another node is a HIT at once too, with pulls at lookup or without:
+    its lookup goes out at the end of the same step, and the lease keeps the chunk (its
+    load joins or starts this node's pull: tests/data/test_pulls.py)."""
     cfg = dataclasses.replace(cfg, presence_max_age_ms=20_000.0)
     assert cfg.pulls_per_node
     evictor, node = _evictor_holding(cfg)
@@ -453,19 +451,9 @@ def test_a_chunk_the_snapshot_shows_only_on_another_node_is_asked_first_with_pul
         ctx = ReqContext(req_id=f"remote-{pulls}")
         manager.on_new_request(ctx)
         hits_before = evictor.status().result()["totals"]["hits"]
-        first = manager.lookup(key, ctx)
-        manager.on_schedule_end(END)  # the step's asks go out
-        if pulls:
-            assert first is LookupResult.RETRY
-            answered = poll(
-                lambda m=manager, c=ctx: m.lookup(key, c),
-                _WAIT_S,
-                done=lambda result: result is not LookupResult.RETRY,
-            )
-            assert answered is LookupResult.HIT
-        else:
-            assert first is LookupResult.HIT
+        assert manager.lookup(key, ctx) is LookupResult.HIT
         assert manager.prepare_load([key], ctx).nodes == (other,)
+        manager.on_schedule_end(END)  # the step's asks go out
         hits = poll(
             lambda before=hits_before: evictor.status().result()["totals"]["hits"] - before,
             _WAIT_S,

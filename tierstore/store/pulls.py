@@ -12,12 +12,16 @@ engine's load then finds them in this node's arena, or waits for the pull in fli
   chunk at once: one pull); the Evictor starts no second copy of a chunk either;
 - what lands is verified and kept as the Evictor's replica (``accept``: it reports
   which landed); a pull that fails is reported failed, and its room given back;
-- :meth:`Pulls.wait` is a load's join: it waits for the shards' pulls running now (at
-  most its deadline) and says of each whether it is held here, failed, or none is
-  running (never pulled, or still queued behind other holders' pulls: the load pulls it
-  from its holder itself, so one slow holder never fails loads from the others). The
-  Evictor's pull message and the worker's load reach the NodeStore from two callers in
-  no set order: a load that arrives first reads from the holder too.
+- :meth:`Pulls.wait` is a load's join, or its start: the worker names each shard's
+  holder, and a shard neither held here nor being pulled is pulled now, as the Evictor's
+  message would have it (the Evictor's pull message and the worker's load reach the
+  NodeStore from two callers in no set order; the message that comes second finds the
+  pull in flight, or the shard held, and starts none). It then waits for the shards'
+  pulls running now (at most its deadline) and says of each whether it is held here,
+  failed, or none is running (still queued behind other holders' pulls: the load pulls
+  it from its holder itself, so one slow holder never fails loads from the others). A
+  copy a load started is kept as the Evictor's replica like any other: the lookup that
+  the same step sent reserved it, or the Evictor has it dropped when it is reported.
 
 No Ray here: ``fetch`` (the holder's shards and metas, one call) and ``accept`` are
 the actor's. Threads: :meth:`start` and :meth:`wait` on any thread (they hold the lock
@@ -72,21 +76,29 @@ class Pulls:
         self._in_flight: dict[ShardId, Future[bool]] = {}
         self._active = 0  # pulls submitted and not ended
         self._running: set[Future[bool]] = set()  # begun, or sure to begin at once
-        self._counts = {"pulls": 0, "shards": 0, "bytes": 0, "failed": 0, "joined": 0, "waits": 0}
+        self._counts = {
+            "pulls": 0,
+            "started_by_loads": 0,  # of ``pulls``: started by a load that came first
+            "shards": 0,
+            "bytes": 0,
+            "failed": 0,
+            "joined": 0,
+            "waits": 0,
+        }
         # Where the landed pulls' time went, summed: the holder's call with the bytes'
         # move to this node (fetch), then verifying and keeping them here (accept).
         self._times_s = {"fetch": 0.0, "accept": 0.0}
 
     def start(self, pulls: Sequence[tuple[ShardId, NodeId]]) -> int:
         """Pull each shard from its holder, one pull per holder; a shard already being
-        pulled is skipped (the Evictor starts no copy of a chunk held here). Returns the
+        pulled, or held here (a load's pull of it landed first), is skipped. Returns the
         pulls started. Never blocks."""
         by_holder: dict[NodeId, list[ShardId]] = {}
         futures: dict[NodeId, Future[bool]] = {}
         with self._lock:
             for shard_id, holder in pulls:
                 shard_id, holder = ShardId(*shard_id), NodeId(holder)
-                if shard_id in self._in_flight:
+                if shard_id in self._in_flight or self._holds(shard_id):
                     self._counts["joined"] += 1
                     continue
                 if holder not in futures:
@@ -148,13 +160,25 @@ class Pulls:
             self._active -= 1
         done.set_result(ok)
 
-    def wait(self, shard_ids: Sequence[ShardId], timeout_s: float) -> list[PullState]:
-        """A load's join: wait (at most ``timeout_s``) for the running pulls of
-        ``shard_ids``, then say of each whether it is held here, the pull it joined failed
-        (or still runs at the deadline), or it joined none (none in flight, one still
-        queued, or one that landed and was evicted since): the load then reads it from its
-        holder. Blocks the calling thread only."""
+    def wait(
+        self,
+        shard_ids: Sequence[ShardId],
+        timeout_s: float,
+        holders: Sequence[NodeId] | None = None,
+    ) -> list[PullState]:
+        """A load's join: with ``holders`` (each shard's), first start a pull of every
+        shard neither held here nor being pulled (:meth:`start`); then wait (at most
+        ``timeout_s``) for the running pulls of ``shard_ids``, and say of each whether it
+        is held here, the pull it joined failed (or still runs at the deadline), or it
+        joined none (one still queued, or one that landed and was evicted since): the load
+        then reads it from its holder. Blocks the calling thread only."""
         shard_ids = [ShardId(*s) for s in shard_ids]
+        if holders is not None:
+            if len(holders) != len(shard_ids):
+                raise ValueError(f"{len(holders)} holders for {len(shard_ids)} shards")
+            started = self.start(list(zip(shard_ids, holders, strict=True)))
+            with self._lock:
+                self._counts["started_by_loads"] += started
         with self._lock:
             futures = {s: self._in_flight.get(s) for s in shard_ids}
             joined = {f for f in futures.values() if f is not None and f in self._running}
@@ -174,10 +198,10 @@ class Pulls:
         return states
 
     def status(self) -> dict[str, float]:
-        """Pulls started, shards and bytes pulled, pulls failed, shards asked for again
-        while in flight (joined), loads that waited, shards in flight now, and the landed
-        pulls' seconds in the holder's call and the move (``fetch_s``) and in verifying
-        and keeping the bytes here (``accept_s``)."""
+        """Pulls started (and of those, by loads), shards and bytes pulled, pulls failed,
+        shards asked for again while in flight or held (joined), loads that waited, shards
+        in flight now, and the landed pulls' seconds in the holder's call and the move
+        (``fetch_s``) and in verifying and keeping the bytes here (``accept_s``)."""
         with self._lock:
             times = {f"{step}_s": seconds for step, seconds in self._times_s.items()}
             return {**self._counts, "in_flight": len(self._in_flight), **times}

@@ -19,8 +19,8 @@ Runtime rules (vLLM's OffloadingConnector calls every method on the scheduler th
   the Evictor (a lookup, for their recency, and a release that counts them loaded) with
   the next step's batch, off the step that schedules the request's forward. One on
   another node is leased by a lookup sent in the same step, as its load waits on that
-  node; with pulls at lookup (``pulls_per_node``) it is asked first instead, as that
-  lookup starts this node's pull, which its load joins.
+  node (with pulls at lookup, ``pulls_per_node``, the load joins or starts this node's
+  pull of it, and the lookup's pull message joins that).
 - ``lock`` is an ``RLock``: vLLM 0.33 holds it around its calls, 0.32 does not, and the
   methods also take it themselves, so both versions are safe.
 - sharded Evictors (``evictor_shards``): each request's root (the root of its prefix
@@ -198,8 +198,7 @@ class TierStoreManager(OffloadingManager):
     ) -> LookupResult:
         """``key``'s first lookup since its last final answer: MISS if the view says no
         node holds it, HIT if it says one holds it in memory (a view hit, asked only when
-        that node is not this one), else RETRY until the Evictor answers (also for one
-        only on another node while pulls at lookup are on)."""
+        that node is not this one), else RETRY until the Evictor answers."""
         self._root(state, ctx, key)
         lately = self._known_stored.committing(key, now)  # its commit may not be polled yet
         held, node = self._view.locate(key, now, self._local_node, stored_here_lately=lately)
@@ -210,11 +209,6 @@ class TierStoreManager(OffloadingManager):
         # the load a step later mostly finds it in memory. Loaded at once, it raced the
         # promotion through the object store and waited longer than asking does.
         if not self._view_hit_ranks or ctx.load_tier_filter is not TierFilter.ALL:
-            node = None
-        # On another node, with pulls at lookup: asked too, as its lookup starts this
-        # node's pull, which the load a step later joins. Loaded at once, it fetched the
-        # bytes from the holder itself beside the pull: the move twice, on the TTFT.
-        if node is not None and node != self._local_node and self._cfg.pulls_per_node:
             node = None
         if node is not None and node == self._local_node:
             where = dict.fromkeys(range(self._view_hit_ranks), node)
@@ -236,8 +230,8 @@ class TierStoreManager(OffloadingManager):
         fresh cluster view shows in some node's memory is a HIT at once (a view hit),
         loadable by each of the engine's ``world_size`` ranks from that copy (this
         node's first). One in this node's memory is not asked (no Ray call in the step);
-        one on another node is leased by a lookup sent in the same step (with
-        ``pulls_per_node``, asked first: its lookup starts this node's pull).
+        one on another node is leased by a lookup sent in the same step (its load joins
+        or starts this node's pull of it: :mod:`tierstore.store.pulls`).
         The request is scheduled a step sooner than when it waited for the Evictor's
         round trip. A chunk gone in between (or never there: a false positive of the
         view's key table) is read from another copy the Evictor names, or its load fails

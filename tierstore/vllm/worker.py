@@ -373,23 +373,27 @@ class TierStoreWorker(OffloadingWorker):
 
     def _join_pulls(self, spec: LoadSpec, started: float) -> LoadSpec | None:
         """Transfer thread: wait (within the load's deadline) for this node's pulls of
-        the shards ``spec`` names on other nodes (started when the lookup answered:
-        :mod:`tierstore.store.pulls`). Returns ``spec`` with those now held here named
-        on this node, or None if none is (no pull was made: the load pulls them itself).
-        Raises if a pull failed or is still running at the deadline: the load fails and
-        its request recomputes."""
+        the shards ``spec`` names on other nodes (started when the lookup answered, or
+        now by this call if the load came first: :mod:`tierstore.store.pulls`). Returns
+        ``spec`` with those now held here named on this node, or None if none is (its
+        pull still queued: the load pulls them itself). Raises if a pull failed or is
+        still running at the deadline: the load fails and its request recomputes."""
         local = self._ports.local_node
         remote = [
-            i for node, idx in spec.keys_by_node(self._rank).items() if node != local for i in idx
+            (i, node)
+            for node, idx in spec.keys_by_node(self._rank).items()
+            if node != local
+            for i in idx
         ]
         if not remote:
             return None
         left = self._timeout_s - (time.perf_counter() - started)
         if left <= 0:  # no time to join: the load reads from the holders
             return None
-        ids = [ShardId(spec.namespace, spec.keys[i], self._rank) for i in remote]
+        pulls = [(ShardId(spec.namespace, spec.keys[i], self._rank), node) for i, node in remote]
         try:
-            states = self._ports.node_store(local).wait_pulls(ids, left * _JOIN_SHARE).result(left)
+            store = self._ports.node_store(local)
+            states = store.wait_pulls(pulls, left * _JOIN_SHARE).result(left)
         except Exception as exc:  # this node's NodeStore did not answer: pull here
             logger.warning("could not join this node's pulls (%s); loading from the holders", exc)
             self._ports.forget_node_store(local)
@@ -397,10 +401,10 @@ class TierStoreWorker(OffloadingWorker):
         if PullState.FAILED in states:
             self.failed_pulls += 1
             raise TierStoreError(
-                f"this node's pull of {states.count(PullState.FAILED)} of {len(ids)} shards "
+                f"this node's pull of {states.count(PullState.FAILED)} of {len(pulls)} shards "
                 "failed or outlived the load's deadline"
             )
-        held = {i for i, state in zip(remote, states, strict=True) if state is PullState.HELD}
+        held = {i for (i, _), state in zip(remote, states, strict=True) if state is PullState.HELD}
         if not held:
             return None
         self.joined_pulls += 1

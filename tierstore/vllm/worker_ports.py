@@ -31,8 +31,11 @@ class NodeStoreCalls(ArenaCalls, Protocol):
 
     def load(self, namespace: Namespace, rank: int, keys: list[ChunkKey]) -> Reply[Loaded]: ...
 
-    def wait_pulls(self, shard_ids: list[ShardId], timeout_s: float) -> Reply[list[PullState]]:
-        """The node's lookup-time pulls of ``shard_ids``, waited for (at most
+    def wait_pulls(
+        self, pulls: list[tuple[ShardId, NodeId]], timeout_s: float
+    ) -> Reply[list[PullState]]:
+        """The node's lookup-time pulls of these shards (each with its holder), started
+        there if none runs and the shard is not held, waited for (at most
         ``timeout_s``): per shard, held there, failed, or none made."""
         ...
 
