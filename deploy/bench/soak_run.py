@@ -122,16 +122,19 @@ def reference_run(model: str, plan: Plan, out_dir: Path) -> list[Response]:
 
 
 def _sweep(server: ApiServer, model: str, reference: dict, injector: Injector, plan: Plan):
-    """Every reference prompt again until every corrupt file has been read. The engine
-    node's NodeStore is restarted first, so no chunk is left in its CPU tier (where a
-    load would never read the corrupt file behind it) and every hit is a promotion from
-    disk, which verifies it; the device cache is emptied before each pass. A chain with
-    several corrupt files needs a pass per file: as many passes as files were corrupted
-    (all in one chain at worst), stopping once every one has been read."""
-    faults.kill_node_store(NAMESPACE, _engine_node(), injector.ledger, injector.sweep_restart)
+    """Every reference prompt again until every corrupt file has been read. Before each
+    pass the engine node's NodeStore is restarted, so no chunk is left in its CPU tier
+    (where a load would never read the corrupt file behind it: a pass that finds one
+    corrupt file recomputes the rest of its chain, and those chunks' new copies land in
+    memory) and every hit is a promotion from disk, which verifies it; the device cache
+    is emptied too. A chain with several corrupt files needs a pass per file: as many
+    passes as files were corrupted (all in one chain at worst), stopping once every one
+    has been read."""
+    engine = _engine_node()
     swept: list[Response] = []
     prompts = [list(p) for p in reference]
     for _ in range(max(1, len(injector.out.corrupted))):
+        faults.kill_node_store(NAMESPACE, engine, injector.ledger, injector.sweep_restart)
         server.reset_prefix_cache()
         swept += replay(server.base, model, prompts, plan.workload)
         injector.ledger.poll(_alive_nodes())
