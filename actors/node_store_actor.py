@@ -369,11 +369,15 @@ class NodeStore:
     def wait_pulls(self, pulls: list[tuple[ShardId, NodeId]], timeout_s: float) -> list[str]:
         """A load's join, or its start: ``pulls`` names each shard's holder, and one
         neither held here nor being pulled is pulled now (the load came before the
-        Evictor's pull message). Waits (at most ``timeout_s``) for the shards' pulls;
-        per shard, whether it is held here, its pull failed, or none ran."""
+        Evictor's pull message; not with ``pulls_per_node`` 0). Waits (at most
+        ``timeout_s``) for the shards' pulls; per shard, whether it is held here, its
+        pull failed, or none ran (or the pull the load started failed: it reads the
+        shard itself, as without pulls)."""
         asked = pulls_of(pulls)
         wait_s = max(0.0, min(float(timeout_s), _BUFFER_TIMEOUT_S))
-        states = self._pulls.wait([s for s, _ in asked], wait_s, [h for _, h in asked])
+        # pulls_per_node 0: no pulls here at all; a load reads from the holders itself.
+        holders = [h for _, h in asked] if self._cfg.pulls_per_node else None
+        states = self._pulls.wait([s for s, _ in asked], wait_s, holders)
         return [state.value for state in states]
 
     def _fetch(

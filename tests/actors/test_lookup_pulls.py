@@ -227,7 +227,8 @@ def test_a_pull_whose_holder_died_fails_the_load_within_its_deadline(
     assert not ok and worker.failed_loads == failed_before + 1  # the request recomputes
     assert seconds < DEADLINE_S
     # The load failed joining the pull, or (the pull failed first) reading from A itself.
-    wait_for(lambda: _pulls_here(env)["failed"] == 1, "the failed pull counted", _WAIT_S)
+    # (A load that came first started a pull of its own, which failed too.)
+    wait_for(lambda: _pulls_here(env)["failed"] >= 1, "the failed pull counted", _WAIT_S)
     assert not env["kv"].any()  # nothing of the chunks was written
 
 

@@ -123,3 +123,20 @@ def test_a_load_after_the_pull_message_joins_its_pull_and_starts_none() -> None:
     assert pulls.wait([sid(0)], 10, [A]) == [PullState.HELD]
     assert holders.fetches == [(A, [sid(0)])]
     assert pulls.status()["started_by_loads"] == 0
+
+
+def test_a_failed_pull_the_load_started_leaves_the_load_to_read_the_shard_itself() -> None:
+    holders = Holders(fail={A})
+    pulls = holders.pulls()
+    holders.release.set()
+    # Its own pull failed: NONE, so the load reads from the holder (or another copy the
+    # Evictor names) as it would with no pull, rather than failing.
+    assert pulls.wait([sid(0)], 10, [A]) == [PullState.NONE]
+    assert holders.failed == [sid(0)] and pulls.status()["failed"] == 1
+    # A pull the Evictor's message started that fails still fails the load joining it.
+    holders.release.clear()
+    pulls.start([(sid(1), A)])
+    while not any(sid(1) in ids for _, ids in holders.fetches):
+        time.sleep(0.01)
+    threading.Timer(0.2, holders.release.set).start()
+    assert pulls.wait([sid(1)], 10, [A]) == [PullState.FAILED]

@@ -170,15 +170,25 @@ class Pulls:
         shard neither held here nor being pulled (:meth:`start`); then wait (at most
         ``timeout_s``) for the running pulls of ``shard_ids``, and say of each whether it
         is held here, the pull it joined failed (or still runs at the deadline), or it
-        joined none (one still queued, or one that landed and was evicted since): the load
-        then reads it from its holder. Blocks the calling thread only."""
+        joined none (one still queued, one that landed and was evicted since, or one this
+        call started that failed: the load reads it itself, and may find another copy,
+        as it would have with no pull): the load then reads it from its holder. Blocks the
+        calling thread only."""
         shard_ids = [ShardId(*s) for s in shard_ids]
+        started: dict[ShardId, Future[bool] | None] = {}
         if holders is not None:
             if len(holders) != len(shard_ids):
                 raise ValueError(f"{len(holders)} holders for {len(shard_ids)} shards")
-            started = self.start(list(zip(shard_ids, holders, strict=True)))
             with self._lock:
-                self._counts["started_by_loads"] += started
+                before = {s: self._in_flight.get(s) for s in shard_ids}
+            count = self.start(list(zip(shard_ids, holders, strict=True)))
+            with self._lock:
+                self._counts["started_by_loads"] += count
+                started = {
+                    s: f
+                    for s in shard_ids
+                    if (f := self._in_flight.get(s)) is not None and before[s] is None
+                }
         with self._lock:
             futures = {s: self._in_flight.get(s) for s in shard_ids}
             joined = {f for f in futures.values() if f is not None and f in self._running}
@@ -188,10 +198,11 @@ class Pulls:
         states = []
         for shard_id in shard_ids:
             future = futures[shard_id]
-            landed = future is not None and future.done() and future.result()
+            done = future is not None and future.done()
+            landed = done and future is not None and future.result()
             if self._holds(shard_id):
                 states.append(PullState.HELD)
-            elif future in joined and not landed:
+            elif future in joined and not landed and not (done and started.get(shard_id)):
                 states.append(PullState.FAILED)
             else:
                 states.append(PullState.NONE)
