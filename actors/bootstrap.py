@@ -36,7 +36,7 @@ from tierstore.config import (
     check_running_config,
     evictor_shards_for,
 )
-from tierstore.errors import ClusterUnavailableError
+from tierstore.errors import ActorUnavailableError, ClusterUnavailableError
 from tierstore.private_files import LockTimeoutError, locked_file, user_dir
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ _PROBE_TIMEOUT_S = 5.0  # a GCS that does not accept a TCP connection by then is
 # Starting every actor: a process per actor, and a NodeStore re-indexes its disk tier
 # first; minutes on a loaded machine, never forever.
 START_TIMEOUT_S = 300.0
+_RESTART_POLL_S = 0.2  # between asks of an Evictor shard that is restarting
 
 
 def connect(cfg: TierStoreConfig) -> None:
@@ -247,13 +248,25 @@ def running_evictors(cfg: TierStoreConfig) -> tuple[TierStoreConfig, list[ray.ac
     nodes = [here, *sorted(alive_node_ids() - {here})]
     deadline = time.monotonic() + START_TIMEOUT_S
     first = _start_evictor(_first_shard_config(cfg, len(nodes)), 0, here)
-    running = EvictorClient(first, START_TIMEOUT_S).config()
-    cfg = _adopt_shards(cfg, running.result(max(0.0, deadline - time.monotonic())))
+    cfg = _adopt_shards(cfg, _running_config(first, deadline))
     rest = [_start_evictor(cfg, i, nodes[i % len(nodes)]) for i in range(1, cfg.shard_count)]
-    answers = [EvictorClient(handle, START_TIMEOUT_S).config() for handle in rest]
-    for shard, answer in enumerate(answers, start=1):
-        _check_evictor(cfg, shard, answer, deadline)
+    for shard, handle in enumerate(rest, start=1):
+        running = _running_config(handle, deadline)
+        check_running_config(cfg, running, _evictor_what(shard, cfg.shard_count))
     return cfg, [first, *rest]
+
+
+def _running_config(handle: ray.actor.ActorHandle, deadline: float) -> TierStoreConfig:
+    """The config an Evictor shard runs with; one that is restarting (its node was lost:
+    Ray brings it back elsewhere) is asked again until ``deadline``, then raises."""
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            return EvictorClient(handle, left).config().result(left)
+        except ActorUnavailableError:
+            if deadline - time.monotonic() <= _RESTART_POLL_S:
+                raise
+            time.sleep(_RESTART_POLL_S)
 
 
 def _first_shard_config(cfg: TierStoreConfig, nodes: int) -> TierStoreConfig:
@@ -290,13 +303,6 @@ def _start_evictor(cfg: TierStoreConfig, shard: int, node_id: str) -> ray.actor.
         )
         .remote(cfg, shard),
     )
-
-
-def _check_evictor(
-    cfg: TierStoreConfig, shard: int, answer: Pending[TierStoreConfig], deadline: float
-) -> None:
-    running = answer.result(max(0.0, deadline - time.monotonic()))
-    check_running_config(cfg, running, _evictor_what(shard, cfg.shard_count))
 
 
 def _evictor_what(shard: int, shards: int) -> str:
