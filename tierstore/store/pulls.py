@@ -93,6 +93,10 @@ class Pulls:
         """Pull each shard from its holder, one pull per holder; a shard already being
         pulled, or held here (a load's pull of it landed first), is skipped. Returns the
         pulls started. Never blocks."""
+        return len(set(self._start(pulls).values()))
+
+    def _start(self, pulls: Sequence[tuple[ShardId, NodeId]]) -> dict[ShardId, Future[bool]]:
+        """:meth:`start`'s work: the shards it started a pull of, each with its pull."""
         by_holder: dict[NodeId, list[ShardId]] = {}
         futures: dict[NodeId, Future[bool]] = {}
         with self._lock:
@@ -116,7 +120,7 @@ class Pulls:
             except RuntimeError:  # shut down
                 self._report_failed(shard_ids)
                 self._end(shard_ids, futures[holder], False)
-        return len(by_holder)
+        return {s: futures[holder] for holder, ids in by_holder.items() for s in ids}
 
     def _pull(self, holder: NodeId, shard_ids: list[ShardId], done: Future[bool]) -> None:
         """Pool thread: fetch, keep what verifies, report; never raises."""
@@ -175,20 +179,13 @@ class Pulls:
         as it would have with no pull): the load then reads it from its holder. Blocks the
         calling thread only."""
         shard_ids = [ShardId(*s) for s in shard_ids]
-        started: dict[ShardId, Future[bool] | None] = {}
+        started: dict[ShardId, Future[bool]] = {}
         if holders is not None:
             if len(holders) != len(shard_ids):
                 raise ValueError(f"{len(holders)} holders for {len(shard_ids)} shards")
+            started = self._start(list(zip(shard_ids, holders, strict=True)))
             with self._lock:
-                before = {s: self._in_flight.get(s) for s in shard_ids}
-            count = self.start(list(zip(shard_ids, holders, strict=True)))
-            with self._lock:
-                self._counts["started_by_loads"] += count
-                started = {
-                    s: f
-                    for s in shard_ids
-                    if (f := self._in_flight.get(s)) is not None and before[s] is None
-                }
+                self._counts["started_by_loads"] += len(set(started.values()))
         with self._lock:
             futures = {s: self._in_flight.get(s) for s in shard_ids}
             joined = {f for f in futures.values() if f is not None and f in self._running}
@@ -202,7 +199,7 @@ class Pulls:
             landed = done and future is not None and future.result()
             if self._holds(shard_id):
                 states.append(PullState.HELD)
-            elif future in joined and not landed and not (done and started.get(shard_id)):
+            elif future in joined and not landed and not (done and shard_id in started):
                 states.append(PullState.FAILED)
             else:
                 states.append(PullState.NONE)
