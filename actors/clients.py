@@ -248,6 +248,19 @@ class NodeStoreClient:
 
         return self._call("load_shards", shard_ids, convert=fetched)
 
+    def lend_shards(
+        self, shard_ids: list[ShardId]
+    ) -> Pending[tuple[str, list[ray.ObjectRef], list[ShardMeta]]]:
+        """As :meth:`load_shards` with ``pull_transport`` "nixl": how the bytes come
+        ("nixl": an RDT object of the holder's extents, to read in place; else an
+        object-store object of arrays), the object, and the metas."""
+
+        def lent(value: Any) -> tuple[str, list[ray.ObjectRef], list[ShardMeta]]:
+            how, refs, metas = value
+            return str(how), list(refs), metas_of(metas)
+
+        return self._call("lend_shards", shard_ids, convert=lent)
+
     def pull(self, pulls: list[tuple[ShardId, NodeId]]) -> Pending[None]:
         """One-way (the Evictor, answering a lookup from this node): pull each shard from
         the node named with it, as the hot-chunk copy the Evictor reserved here."""

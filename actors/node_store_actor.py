@@ -14,7 +14,8 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
   starting) this node's lookup-time pulls (each waits at most its deadline); the pulls
   themselves run on :class:`~tierstore.store.pulls.Pulls`' own threads
   (``pulls_per_node``), started by ``pull`` (one-way, from the Evictor) on a data thread
-  or by ``wait_pulls``, and ``load_shards`` (the holder's side) is a data call.
+  or by ``wait_pulls``, and ``load_shards`` / ``lend_shards`` (the holder's side, by
+  ``pull_transport``) are data calls.
 - the default group (one thread): ``inventory``, ``status`` and ``config``: quick
   reads, answered even while a store waits on ``admit``.
 - a flusher thread (not Ray's): while a TP group's shards are gathered, sends this
@@ -30,14 +31,17 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import ray
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.names import evictor_name, node_store_name
+from tierstore.actors.nixl_pulls import NixlPulls
 
 from tierstore.config import TierStoreConfig
+from tierstore.data.arena.holders import HolderLock
 from tierstore.data.arena.reaper import start_reaper
 from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.tiers.arena import ArenaTier
@@ -52,8 +56,9 @@ from tierstore.store.evictor_shards import (
     ShareBook,
     failed_shards,
 )
+from tierstore.store.loans import ArenaLoans
 from tierstore.store.node_store import NodeStoreCore
-from tierstore.store.pulls import Pulls
+from tierstore.store.pulls import Moved, Pulls
 from tierstore.store.rank_gather import GATHER_WAIT_S
 from tierstore.wire import (
     NodeActions,
@@ -194,13 +199,14 @@ class NodeStore:
         )
         self._arena = ArenaStore(self._core, self._cpu)
         self._holders: dict[NodeId, NodeStoreClient] = {}  # other nodes' NodeStores, pulled from
-        self._pulls = Pulls(
-            self._fetch,
-            self._core.accept_replicas,
-            self._pull_failed,
-            self._core.holds,
-            cfg.pulls_per_node,
-        )
+        self._nixl: NixlPulls | None = None
+        if cfg.pull_transport == "nixl":
+            # This NodeStore's own holder of pins (lent extents) and grants (pulled ones).
+            self._holder_lock = HolderLock(self._cpu.info.path)
+            holder, timeout_s = self._holder_lock.holder, self._pull_timeout_s
+            loans = ArenaLoans(self._core, self._cpu, holder, timeout_s)
+            self._nixl = NixlPulls(loans, self._cpu.region.array, self._pull_timeout_s)
+        self._pulls = Pulls(self._move, self._pull_failed, self._core.holds, cfg.pulls_per_node)
         self._parked = 0  # shards gathered for their TP group (read by the flusher)
         self._stop = threading.Event()
         # Sends this actor a flush of gathered units no commit came to offer; all arena
@@ -355,6 +361,20 @@ class NodeStore:
         ref, metas = self._core.load_shard_views(ids, ray.put)
         return [ref], metas
 
+    @_DATA
+    def lend_shards(
+        self, shard_ids: list[ShardId]
+    ) -> tuple[str, list[ray.ObjectRef], list[ShardMeta]]:
+        """As :meth:`load_shards`, with ``pull_transport`` "nixl": the shards' extents
+        lent in place, as an RDT object the caller reads over NIXL ("nixl"), or, if one
+        is on disk only, one object-store object of them all ("object_store")."""
+        ids = [s for s in checked_shard_ids(shard_ids) if s is not None]
+        if len(ids) != len(shard_ids):
+            raise ValueError(f"{len(shard_ids) - len(ids)} malformed shard ids")
+        if self._nixl is None:
+            raise ValueError(f"this NodeStore's pull_transport is {self._cfg.pull_transport!r}")
+        return self._nixl.lend(ids, lambda ids: self._core.load_shard_views(ids, ray.put))
+
     # ---- lookup-time pulls (tierstore.store.pulls) -----------------------------------
     @_DATA
     def pull(self, pulls: list[tuple[ShardId, NodeId]]) -> None:
@@ -380,18 +400,32 @@ class NodeStore:
         states = self._pulls.wait([s for s, _ in asked], wait_s, holders)
         return [state.value for state in states]
 
-    def _fetch(
-        self, holder: NodeId, shard_ids: list[ShardId]
-    ) -> tuple[list[np.ndarray], list[ShardMeta]]:
-        """A pull thread: ``shard_ids`` from ``holder``'s NodeStore, one call and one
-        object (pulled into this node's object store, read in place until kept)."""
-        timeout_s = min(_BUFFER_TIMEOUT_S, self._cfg.transfer_timeout_s)
+    @property
+    def _pull_timeout_s(self) -> float:
+        return min(_BUFFER_TIMEOUT_S, self._cfg.transfer_timeout_s)
+
+    def _move(self, holder: NodeId, shard_ids: list[ShardId]) -> Moved:
+        """A pull thread: ``shard_ids`` from ``holder``'s NodeStore in one call and one
+        transfer, by ``pull_transport``: read into this node's arena in place (NIXL), or
+        pulled into this node's object store and copied into the arena; kept verified."""
         client = self._holders.get(holder)
         if client is None:
             store = ray.get_actor(node_store_name(holder), namespace=self._cfg.namespace)
-            client = self._holders[holder] = NodeStoreClient(store, holder, timeout_s)
+            client = self._holders[holder] = NodeStoreClient(store, holder, self._pull_timeout_s)
         try:
-            return client.load_shards(shard_ids).result(timeout_s)
+            if self._nixl is not None:
+                return self._nixl.pull(
+                    shard_ids,
+                    lambda timeout_s: client.lend_shards(shard_ids).result(timeout_s),
+                    self._core.accept_replicas,
+                )
+            started = time.perf_counter()
+            views, metas = client.load_shards(shard_ids).result(self._pull_timeout_s)
+            if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
+                raise ValueError(f"{len(views)} arrays for {len(shard_ids)} shards")
+            fetched = time.perf_counter()
+            self._core.accept_replicas(list(zip(shard_ids, metas, strict=True)), list(views))
+            return Moved(sum(int(v.nbytes) for v in views), fetched - started)
         except Exception:
             self._holders.pop(holder, None)  # it may have been replaced: look it up again
             raise
@@ -504,6 +538,9 @@ class NodeStore:
         NodeStore)."""
         self._stop.set()
         self._pulls.close()
+        if self._nixl is not None:
+            self._nixl.close()
+            self._holder_lock.close()
         self._write_through.close(_WRITE_THROUGH_DRAIN_S)
         self._cpu.close()
         if self._reaper is not None:
@@ -523,6 +560,6 @@ class NodeStore:
             "write_through_queued": self._write_through.queued,
             "gathered_shards": self._parked,
             "shares": {"cpu": list(self._shares.cpu), "disk": list(self._shares.disk)},
-            "pulls": self._pulls.status(),
+            "pulls": {**self._pulls.status(), **(self._nixl.status() if self._nixl else {})},
             "arena": self._cpu.status(),
         }

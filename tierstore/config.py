@@ -176,6 +176,11 @@ class TierStoreConfig:
     # node; the engine's load then reads its node's copy, or waits for the pull. 0 = no
     # pulls at lookup (a load pulls when it starts).
     pulls_per_node: int = 4
+    # How a pull's bytes cross between nodes: "object_store" (the holder puts the shards
+    # into Ray's object store, the puller copies them into its arena) or "nixl" (Ray
+    # Direct Transport over NIXL: the puller reads the holder's arena extents straight
+    # into its own, no copy on either side; needs the nixl package on every node).
+    pull_transport: str = "object_store"
     # Evictor shards: each owns the prefix trees whose first chunk hashes to it (their
     # index, leases and eviction), and 1/evictor_shards of every node's tiers. Lookups
     # and admits of one prefix go to one shard; more shards serve more nodes. "auto":
@@ -381,6 +386,7 @@ def _check_replication(cfg: TierStoreConfig) -> None:
 
 
 MAX_PULLS_PER_NODE = 64
+PULL_TRANSPORTS = ("object_store", "nixl")
 
 
 def _check_pulls(cfg: TierStoreConfig) -> None:
@@ -389,6 +395,11 @@ def _check_pulls(cfg: TierStoreConfig) -> None:
         raise ConfigError(
             f"pulls_per_node: expected a number of pulls from 0 (none at lookup) to "
             f"{MAX_PULLS_PER_NODE}, got {value!r}"
+        )
+    if cfg.pull_transport not in PULL_TRANSPORTS:
+        raise ConfigError(
+            f"pull_transport: expected one of {', '.join(map(repr, PULL_TRANSPORTS))}, "
+            f"got {cfg.pull_transport!r}"
         )
 
 
@@ -482,6 +493,7 @@ ACTOR_KEYS: tuple[str, ...] = (
     "cpu_low_watermark",
     "replicate_after_loads",
     "pulls_per_node",
+    "pull_transport",
     "evictor_shards",
 )
 ENGINE_KEYS: tuple[str, ...] = (

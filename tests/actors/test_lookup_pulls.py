@@ -5,7 +5,8 @@ Node A's NodeStore holds a prompt's chunks; an engine on the driver's node (the 
 looks them up as its manager does: the lookup's HIT names A, and the head's NodeStore
 starts pulling them into its own arena at once (one pull per holder). The worker's load
 then reads that local copy, or waits for the pull in flight; a pull whose holder died
-fails the load within its deadline (the request recomputes)."""
+fails the load within its deadline (the request recomputes). Every test runs with each
+``pull_transport``: the object store, and NIXL (the head reads A's extents in place)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,14 @@ def _keys(prompt: int, n: int = 3) -> list[ChunkKey]:
     return [ChunkKey(bytes([prompt, i]) + b"\0" * 10) for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def two_nodes() -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["object_store", "nixl"])
+def two_nodes(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     cluster, (node_a,) = simulated_cluster(1, NAMESPACE)
     cfg = TierStoreConfig(
-        cpu_bytes_per_node=64 << 20, namespace=NAMESPACE, transfer_timeout_s=DEADLINE_S
+        cpu_bytes_per_node=64 << 20,
+        namespace=NAMESPACE,
+        transfer_timeout_s=DEADLINE_S,
+        pull_transport=request.param,
     )
     ensure_actors(cfg)
     evictor = EvictorClient(get_or_create_evictor(cfg))
@@ -71,6 +75,7 @@ def two_nodes() -> Iterator[dict[str, Any]]:
         "store_here": NodeStoreClient(find_node_store(NAMESPACE, head), head),
         "worker": worker,
         "kv": kv,
+        "transport": request.param,
     }
     worker.shutdown()
     shutdown_actors(NAMESPACE)
@@ -110,6 +115,11 @@ def _pulls_here(env: dict[str, Any]) -> dict[str, int]:
     return env["store_here"].status().result()["pulls"]  # type: ignore[no-any-return]
 
 
+def _lent_by_a(env: dict[str, Any]) -> int:
+    """Extents A has pinned now (NIXL: lent to the head until it has read them)."""
+    return env["store_a"].status().result()["arena"]["pinned_extents"]  # type: ignore[no-any-return]
+
+
 def _loaded_from_a(env: dict[str, Any]) -> int:
     return env["store_a"].status().result()["stats"]["loaded_shards"]  # type: ignore[no-any-return]
 
@@ -135,6 +145,10 @@ def test_a_remote_hit_is_pulled_at_lookup_and_loaded_bit_exact_from_the_local_co
     assert _loaded_from_a(env) == served_by_a + len(keys)
     assert worker.relocated_loads == 0 and worker.arena.arena_loads >= 1
     assert worker.remote_named_bytes >= len(keys) * CHUNK_BYTES
+    if env["transport"] == "nixl":  # read in place from A's extents into the head's
+        assert _pulls_here(env)["read_in_place"] >= len(keys)
+    # A lends its extents in place with NIXL: the loan ends once the head has read them.
+    wait_for(lambda: _lent_by_a(env) == 0, "A's loans ended", _WAIT_S)
     # The copy is the Evictor's hot-chunk copy: lookups from here now name it.
     wait_for(
         lambda: all(

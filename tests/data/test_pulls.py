@@ -9,11 +9,9 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
-
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
-from tierstore.store.pulls import Pulls
-from tierstore.wire import PullState, ShardMeta
+from tierstore.store.pulls import Moved, Pulls
+from tierstore.wire import PullState
 
 NS = Namespace("ab")
 A, C = NodeId("node-a"), NodeId("node-c")
@@ -33,18 +31,16 @@ class Holders:
         self.held: set[ShardId] = set()
         self.failed: list[ShardId] = []
 
-    def fetch(self, holder: NodeId, ids: list[ShardId]) -> tuple[list[np.ndarray], list[ShardMeta]]:
+    def move(self, holder: NodeId, ids: list[ShardId]) -> Moved:
         self.fetches.append((holder, list(ids)))
         assert self.release.wait(10)
         if holder in self.fail:
             raise ConnectionError(f"{holder} died")
-        return [np.zeros(8, np.uint8)] * len(ids), [ShardMeta(8, 0, 1)] * len(ids)
-
-    def accept(self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]) -> None:
-        self.held.update(s for s, _ in shards)
+        self.held.update(ids)
+        return Moved(8 * len(ids), 0.0)
 
     def pulls(self, workers: int = 4) -> Pulls:
-        return Pulls(self.fetch, self.accept, self.failed.extend, self.held.__contains__, workers)
+        return Pulls(self.move, self.failed.extend, self.held.__contains__, workers)
 
 
 def test_one_pull_per_holder_and_none_again_while_in_flight() -> None:

@@ -511,13 +511,17 @@ class NodeStoreCore:
         """As :meth:`load_views`, for shards of any namespaces and ranks (another node
         pulling its copies of a request's chunks held here: one call for them all)."""
         with self.cpu.reading():  # no extent read here is reused until put returns
-            shards = [self._held(shard_id) for shard_id in shard_ids]
+            shards = [self.verified(shard_id) for shard_id in shard_ids]
             out = put([s.data for s in shards])
         nbytes = sum(s.meta.nbytes for s in shards)
         self.counters.add(loaded_shards=len(shards), loaded_bytes=nbytes)
         return out, [s.meta for s in shards]
 
-    def _held(self, shard_id: ShardId) -> StoredShard:
+    def verified(self, shard_id: ShardId) -> StoredShard:
+        """The held shard (its memory copy, else its disk copy read), verified: one that
+        fails its checksum is dropped, reported to the Evictor and raised as
+        ChunkCorruptError; ChunkNotFoundError if neither tier holds it. A memory copy is a
+        view of its extent: read it inside ``cpu.reading()`` or under a pin."""
         shard = self.cpu.find(shard_id)
         if shard is not None:
             if digest(shard.data) != shard.meta.digest:

@@ -23,9 +23,10 @@ engine's load then finds them in this node's arena, or waits for the pull in fli
   copy a load started is kept as the Evictor's replica like any other: the lookup that
   the same step sent reserved it, or the Evictor has it dropped when it is reported.
 
-No Ray here: ``fetch`` (the holder's shards and metas, one call) and ``accept`` are
-the actor's. Threads: :meth:`start` and :meth:`wait` on any thread (they hold the lock
-only to look up and register futures); pulls on the pool's own threads.
+No Ray here: ``move`` (the holder's call, the bytes' move to this node and their
+keeping, by the actor's transport) is the actor's. Threads: :meth:`start` and
+:meth:`wait` on any thread (they hold the lock only to look up and register futures);
+pulls on the pool's own threads.
 """
 
 from __future__ import annotations
@@ -36,18 +37,27 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-
-import numpy as np
+from typing import NamedTuple
 
 from tierstore.keys import NodeId, ShardId
-from tierstore.wire import PullState, ShardMeta
+from tierstore.wire import PullState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Fetch", "PullState", "Pulls"]
+__all__ = ["Move", "Moved", "PullState", "Pulls"]
 
-# (holder, shard ids) -> the shards' bytes (one array each, in order) and their metas.
-Fetch = Callable[[NodeId, list[ShardId]], tuple[Sequence[np.ndarray], Sequence[ShardMeta]]]
+
+class Moved(NamedTuple):
+    """What one pull moved: its bytes, and the seconds until they were on this node (the
+    holder's call and the move; the rest of the pull verified and kept them)."""
+
+    nbytes: int
+    fetch_s: float
+
+
+# (holder, shard ids) -> Moved: fetch the shards from their holder, keep on this node
+# what verifies and report to the Evictor which landed; raises if nothing was kept.
+Move = Callable[[NodeId, list[ShardId]], Moved]
 
 
 class Pulls:
@@ -55,17 +65,15 @@ class Pulls:
 
     def __init__(
         self,
-        fetch: Fetch,
-        accept: Callable[[list[tuple[ShardId, ShardMeta]], list[np.ndarray]], None],
+        move: Move,
         failed: Callable[[list[ShardId]], None],
         holds: Callable[[ShardId], bool],
         workers: int,
     ) -> None:
-        """``accept`` verifies and keeps the shards and reports them to the Evictor;
-        ``failed`` reports shards whose pull failed; ``holds``: whether this node holds
-        a shard now."""
-        self._fetch = fetch
-        self._accept = accept
+        """``move`` fetches, verifies and keeps a pull's shards and reports them to the
+        Evictor; ``failed`` reports shards whose pull failed (``move`` raised);
+        ``holds``: whether this node holds a shard now."""
+        self._move = move
         self._failed = failed
         self._holds = holds
         self._workers = max(1, workers)
@@ -129,16 +137,12 @@ class Pulls:
             self._running.add(done)
         try:
             started = time.perf_counter()
-            views, metas = self._fetch(holder, shard_ids)
-            if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
-                raise ValueError(f"{len(views)} arrays for {len(shard_ids)} shards")
-            fetched = time.perf_counter()
-            self._accept(list(zip(shard_ids, metas, strict=True)), list(views))
+            moved = self._move(holder, shard_ids)
             with self._lock:
                 self._counts["shards"] += len(shard_ids)
-                self._counts["bytes"] += sum(int(v.nbytes) for v in views)
-                self._times_s["fetch"] += fetched - started
-                self._times_s["accept"] += time.perf_counter() - fetched
+                self._counts["bytes"] += moved.nbytes
+                self._times_s["fetch"] += moved.fetch_s
+                self._times_s["accept"] += time.perf_counter() - started - moved.fetch_s
             ok = True
         except Exception as exc:
             logger.warning("pulling %d shards from node %s failed: %s", len(shard_ids), holder, exc)
