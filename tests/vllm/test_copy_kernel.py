@@ -1,5 +1,5 @@
 """The ``kernel`` copy executor on CPU: the Triton kernel's logic under Triton's
-interpreter, its table checks and grid.
+interpreter, its table checks and grid, and the executor's choices that need no GPU.
 
 The kernel runs here under ``TRITON_INTERPRET=1``, which Triton reads when a kernel is
 defined: so in a fresh interpreter (this module run as ``python -m``), where
@@ -21,6 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+from tierstore.vllm import batch_copy
+from tierstore.vllm.batch_copy import EXECUTOR_NAMES, BatchCopy, KernelBatchCopy, make_executor
 
 ROOT = Path(__file__).resolve().parents[2]
 # Sizes around the kernel's boundaries: a 16-byte word pair, a step of 1024 words
@@ -143,6 +146,47 @@ def test_programs_per_descriptor_follow_the_largest_and_stay_in_the_grid() -> No
     assert spread_for(1, 1 << 40) == 65535  # CUDA's limit on the grid's second dimension
     assert spread_for(MAX_PROGRAMS // 4, 1 << 30) == 4
     assert spread_for(2 * MAX_PROGRAMS, 1 << 30) == 1
+
+
+class _Recorded(BatchCopy):
+    name = "recorded"
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def launch(self, table, n, stream, src_any, host) -> None:
+        self.calls.append(n)
+
+
+def test_host_memory_the_device_cannot_address_goes_to_the_fallback() -> None:
+    """A pageable ``host`` (here every array is: no CUDA) never reaches the kernel."""
+    ran: list[int] = []
+    fallback = _Recorded()
+    executor = KernelBatchCopy(lambda table, n, largest: ran.append(n), fallback)
+    assert executor.pinned_tables and not fallback.pinned_tables
+    table = torch.zeros((3, 4), dtype=torch.int64)
+    executor.launch(table, 3, None, True, np.zeros(64, dtype=np.uint8))
+    assert fallback.calls == [3] and ran == [] and executor.fallbacks == 1
+
+
+def test_the_kernel_executor_needs_cuda_and_says_why_not(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert "kernel" in EXECUTOR_NAMES
+    kv = [torch.zeros((4, 64), dtype=torch.int8)]
+    with caplog.at_level("INFO", logger=batch_copy.__name__):
+        assert make_executor("kernel", kv) is None
+    assert "no CUDA device" in caplog.text
+    # Past the CUDA check (Triton imports here): the driver library is asked next.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    from tierstore.vllm import copy_kernel
+
+    monkeypatch.setattr(copy_kernel, "registered_memory_reachable", lambda i: "not here")
+    caplog.clear()
+    with caplog.at_level("INFO", logger=batch_copy.__name__):
+        assert make_executor("kernel", kv) is None
+    assert "no copy kernel: not here" in caplog.text
 
 
 if __name__ == "__main__":
