@@ -5,10 +5,11 @@ The KV cache is an 8B Llama's shape (32 layers, 64 KiB pages, one page per layer
 block); a job of 16 MiB or 256 MiB is stored (device -> arena extents) and loaded back
 (extents -> other blocks) by each copy executor this machine has
 (:mod:`tierstore.vllm.batch_copy`: vLLM's when present, the driver's through
-cuda-bindings, one copy per run). torch's ``copy_`` between one contiguous device
-buffer and one pinned host buffer of the same size is the link's practical limit
-(PCIe or C2C): the ratio says how close a scattered job gets to it. Wall time from the
-submit to the copy's end (what a job costs the worker), median of :data:`REPEATS`.
+cuda-bindings, the Triton copy kernel where Triton is, one copy per run). torch's
+``copy_`` between one contiguous device buffer and one pinned host buffer of the same
+size is the link's practical limit (PCIe or C2C): the ratio says how close a scattered
+job gets to it. Wall time from the submit to the copy's end (what a job costs the
+worker), median of :data:`REPEATS`.
 
 Run: ``PYTHONPATH=. python3 -m tests.gpu.bench`` (``tests/gpu/check.sh`` runs it);
 prints one line per case and, with ``--json PATH``, writes them there. A ratio, not a
@@ -127,6 +128,9 @@ def run() -> list[dict[str, object]]:
                         "dma_gbps": nbytes / mine["store_dma"] / 1e9
                         if direction == "store"
                         else None,
+                        # tables the kernel left to its DMA fallback (host memory it
+                        # could not address): its numbers are then not its own
+                        "fallbacks": getattr(executor, "fallbacks", 0),
                     }
                 )
         copier.detach_arena(arena)
@@ -138,6 +142,8 @@ def _line(row: dict[str, object]) -> str:
         return f"{row['executor']:>6}: {row['why']}"
     ratio = float(row["gbps"]) / float(row["torch_pinned_gbps"])  # type: ignore[arg-type]
     pinned = "" if row["registered"] else " (arena PAGEABLE: registration failed)"
+    if row["fallbacks"]:
+        pinned += f" ({row['fallbacks']} tables went to the kernel's DMA fallback)"
     dma = "" if row["dma_gbps"] is None else f"; the copy alone {row['dma_gbps']:.1f} GB/s"
     return (
         f"{row['executor']:>6} {row['direction']:>5} {row['mib']:>4} MiB: "

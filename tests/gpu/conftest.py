@@ -2,8 +2,8 @@
 
 They need only torch (a CUDA build), numpy, xxhash, msgpack, hypothesis and tierstore's
 Ray-free modules: no vLLM, no Ray (a bare CUDA machine runs them; see ``check.sh``).
-Where vLLM's CUDA build or cuda-bindings is there too, its executor is tested as well
-(``executor`` fixture). This project's CI machine has no GPU, so they are reported as
+Where vLLM's CUDA build, cuda-bindings or Triton is there too, its executor is tested as
+well (``executor_for`` fixture). This project's CI machine has no GPU, so they are reported as
 skipped there. Run them on a CUDA host with ``tests/gpu/check.sh``, or
 ``pytest -q --confcutdir=tests/gpu tests/gpu`` (the confcutdir keeps out tests/conftest.py,
 which sets up Ray).
@@ -37,8 +37,9 @@ ExecutorFor = Callable[[Sequence[torch.Tensor]], BatchCopy]
 
 @pytest.fixture(params=EXECUTOR_NAMES)
 def executor_for(request: pytest.FixtureRequest) -> ExecutorFor:
-    """Each copy executor this machine has (vLLM's, the driver's, per run), made for a
-    test's own KV tensors and probed on them (a per-run copier knows only its tensors)."""
+    """Each copy executor this machine has (vLLM's, the driver's, the Triton kernel, per
+    run), made for a test's own KV tensors and probed on them (a per-run copier knows
+    only its tensors)."""
     name = request.param
     if make_executor(name, [torch.zeros((4, 4096), dtype=torch.int8, device="cuda")]) is None:
         pytest.skip(f"the {name!r} copy executor is not available here")

@@ -1,8 +1,9 @@
-"""The three ways the CUDA copier issues a job's copies, fed by the same descriptor table.
+"""The four ways the CUDA copier issues a job's copies, fed by the same descriptor table.
 
-A job's copies reach the driver as one pointer table: int64 rows ``(src, dst, size)``
-(:func:`tierstore.data.copy_plan.fill_descriptors`). Three executors run such a table
-on a stream, chosen once per worker by :func:`select_executor`, best first:
+A job's copies reach the GPU as one pointer table: int64 rows ``(src, dst, size)``
+(:func:`tierstore.data.copy_plan.fill_descriptors`). Four executors run such a table
+on a stream, chosen once per worker by :func:`select_executor` in the order of
+:data:`EXECUTOR_NAMES`:
 
 1. :class:`VllmBatchCopy`: vLLM's ``ops.swap_blocks_batch`` (its own CUDA build), one
    driver call per job (``cuMemcpyBatchAsync`` on CUDA 12.8+), as vLLM's own
@@ -11,7 +12,12 @@ on a stream, chosen once per worker by :func:`select_executor`, best first:
    next executor is used, and the log names the vLLM version.
 2. :class:`DriverBatchCopy`: the same driver call through NVIDIA's ``cuda-bindings``
    (``cuda.bindings.driver.cuMemcpyBatchAsync``), for a machine without vLLM.
-3. :class:`RunCopy`: one ``cudaMemcpyAsync`` per run, through torch (``Tensor.copy_``
+3. :class:`KernelBatchCopy`: one Triton kernel over the table
+   (:mod:`tierstore.vllm.copy_kernel`): the GPU's threads load and store through the
+   table's pointers, host memory reached through unified virtual addressing (SM-driven,
+   not the DMA engines). Needs Triton; copies of host memory the device cannot address
+   (a pageable arena) go to a DMA executor instead.
+4. :class:`RunCopy`: one ``cudaMemcpyAsync`` per run, through torch (``Tensor.copy_``
    with ``non_blocking``): slower for jobs of many runs (Python per run), but needs
    nothing beyond torch, and the only one that also runs on the CPU (tests).
 
@@ -41,15 +47,22 @@ SWAP_PARAMETERS = ("src_ptrs", "dst_ptrs", "sizes", "is_src_access_order_any")
 BATCH_DRIVER_VERSION = 12080
 _PROBE_BYTES = 4096  # the probe copy at selection: one page each way
 
-EXECUTOR_NAMES = ("vllm", "driver", "runs")
+# The selection order, best first. The kernel's place in it is this line's to change.
+EXECUTOR_NAMES = ("vllm", "driver", "kernel", "runs")
 
 
 class BatchCopy(ABC):
     """Runs a descriptor table's copies on a stream. ``table`` is an int64 CPU tensor of
     shape ``(3, >= n)``: rows src, dst, size; ``host`` is the host memory its host-side
-    pointers fall in (only :class:`RunCopy` reads it)."""
+    pointers fall in (:class:`RunCopy` and :class:`KernelBatchCopy` read it).
+
+    ``pinned_tables``: the executor reads the table on the device after :meth:`launch`
+    returns (through UVA), so its caller should give it tables in pinned host memory and
+    leave each unchanged until its copy is done (the CUDA copier does both); the others
+    read the table within :meth:`launch`."""
 
     name: str = ""
+    pinned_tables: bool = False
 
     @abstractmethod
     def launch(
@@ -143,6 +156,48 @@ class RunCopy(BatchCopy):
                 raise ValueError(f"copy {src:#x} -> {dst:#x} has no side in the host buffer")
 
 
+class KernelBatchCopy(BatchCopy):
+    """One Triton kernel over the table (:func:`tierstore.vllm.copy_kernel.copy_table`),
+    enqueued on the current stream (the caller's ``stream``). The table is read by the
+    kernel: a pinned one in place through UVA, any other first copied to the device on
+    the stream (a small GPU allocation per launch; the copier gives pinned ones). A
+    table whose host memory the device cannot address (``host`` is neither pinned nor
+    registered: a pageable arena) goes to ``fallback``, a DMA executor, in full.
+    ``src_any`` has no meaning for a kernel: it is passed on to ``fallback`` only."""
+
+    name = "kernel"
+    pinned_tables = True
+
+    def __init__(
+        self, run: Callable[[torch.Tensor, int, int | None], None], fallback: BatchCopy
+    ) -> None:
+        """``run(table, n, largest)``: enqueue the kernel on the current stream
+        (``copy_table``; ``largest``: the largest size in the table)."""
+        self._run = run
+        self._fallback = fallback
+        self.fallbacks = 0  # tables sent to ``fallback`` (host memory not addressable)
+
+    def launch(
+        self, table: torch.Tensor, n: int, stream: Any, src_any: bool, host: np.ndarray
+    ) -> None:
+        if not _device_addressable(host):
+            self.fallbacks += 1
+            self._fallback.launch(table, n, stream, src_any, host)
+            return
+        if n == 0:
+            return
+        largest = int(table[2, :n].max())
+        if not table.is_pinned():
+            table = table[:, :n].contiguous().to(torch.cuda.current_device(), non_blocking=True)
+        self._run(table, n, largest)
+
+
+def _device_addressable(host: np.ndarray) -> bool:
+    """Whether the device can address ``host`` at its host address: pinned or registered
+    memory (what ``cudaPointerGetAttributes`` calls host memory, torch's ``is_pinned``)."""
+    return host.size > 0 and torch.from_numpy(host).is_pinned()
+
+
 def check_swap_signature(swap: Callable[..., Any]) -> str | None:
     """None if ``swap`` takes vLLM 0.33's ``swap_blocks_batch`` arguments in order (a
     fifth one only with a default), else why not."""
@@ -214,9 +269,32 @@ def _driver_executor() -> BatchCopy | None:
     return DriverBatchCopy(driver)
 
 
+def _kernel_executor(kv: Sequence[torch.Tensor]) -> BatchCopy | None:
+    """The Triton kernel, where CUDA and Triton are here and the device reaches
+    registered host memory at its host address; its fallback for host memory the device
+    cannot address is the first DMA executor here, else :class:`RunCopy`."""
+    if not torch.cuda.is_available():
+        logger.info("no CUDA device here: no copy kernel")
+        return None
+    try:
+        from tierstore.vllm import copy_kernel
+    except ImportError as exc:
+        logger.info("Triton is not here (%s): no copy kernel", exc)
+        return None
+    device = kv[0].device if kv else torch.device("cuda", torch.cuda.current_device())
+    index = torch.cuda.current_device() if device.index is None else device.index
+    why = copy_kernel.registered_memory_reachable(index)
+    if why is not None:
+        logger.info("no copy kernel: %s", why)
+        return None
+    fallback = _vllm_executor() or _driver_executor() or RunCopy(kv)
+    return KernelBatchCopy(copy_kernel.copy_table, fallback)
+
+
 _FACTORIES: dict[str, Callable[[Sequence[torch.Tensor]], BatchCopy | None]] = {
     "vllm": lambda kv: _vllm_executor(),
     "driver": lambda kv: _driver_executor(),
+    "kernel": _kernel_executor,
     "runs": RunCopy,
 }
 
@@ -265,7 +343,7 @@ def probe(executor: BatchCopy, kv: Sequence[torch.Tensor]) -> str | None:
             pinned[n:] = pattern
             host = pinned.numpy()
             stream = torch.cuda.Stream(device)
-            table = torch.empty((3, 1), dtype=torch.int64)
+            table = torch.empty((3, 1), dtype=torch.int64, pin_memory=executor.pinned_tables)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 table[:, 0] = torch.tensor([page.data_ptr(), host.ctypes.data, n])

@@ -2,8 +2,9 @@
 between the KV cache and the node's arena extents (or bounce buffers on the
 object-store path). The copy itself goes through the executor chosen at start
 (:mod:`tierstore.vllm.batch_copy`: vLLM's ``swap_blocks_batch``, else the driver's
-``cuMemcpyBatchAsync`` through cuda-bindings, else one async copy per run). The
-ordering rules are :mod:`tierstore.vllm.device_copy`'s (the interface's module).
+``cuMemcpyBatchAsync`` through cuda-bindings, else a Triton copy kernel, else one async
+copy per run). The ordering rules are :mod:`tierstore.vllm.device_copy`'s (the
+interface's module).
 
 Host memory, all of it fixed at start (no pinned allocation per job, none on the
 model-runner thread):
@@ -98,7 +99,7 @@ class CudaCopier(DeviceCopier):
         for i in range(_SLOTS):
             self._slots.put(staging[i * slot : (i + 1) * slot])
         self.slot_bytes = slot
-        self._tables = _DescriptorTables()
+        self._tables = _DescriptorTables(self._executor.pinned_tables)
         self._tables.give(self._tables.take(_TABLE_RUNS), _always)
         self._arena = HostRegistry(self._synchronize, self._device)
         self._pageable: dict[int, np.ndarray] = {}  # arenas used unregistered, by base
@@ -109,7 +110,7 @@ class CudaCopier(DeviceCopier):
 
     @property
     def executor(self) -> str:
-        """Which executor issues the copies (``vllm``, ``driver`` or ``runs``)."""
+        """Which executor issues the copies (``vllm``, ``driver``, ``kernel`` or ``runs``)."""
         return self._executor.name
 
     @property
@@ -428,10 +429,12 @@ class _Deferred:
 
 
 class _DescriptorTables:
-    """Int64 ``(3, capacity)`` pointer tables in plain host memory (the executors read
-    them on the host), reused once their copy is done."""
+    """Int64 ``(3, capacity)`` pointer tables, reused once their copy is done: in plain
+    host memory for executors that read them on the host, in pinned memory for one that
+    reads them on the device (``pinned``: the copy kernel)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool = False) -> None:
+        self._pinned = pinned
         self._free: list[torch.Tensor] = []
         self._busy: list[tuple[torch.Tensor, Callable[[], bool], Any]] = []
         self._lock = threading.Lock()
@@ -450,7 +453,7 @@ class _DescriptorTables:
                 self._free.remove(table)
                 return table
         capacity = 1 << max(10, (n - 1).bit_length())  # powers of two: made rarely
-        return torch.empty((3, capacity), dtype=torch.int64)
+        return torch.empty((3, capacity), dtype=torch.int64, pin_memory=self._pinned)
 
     def give(self, table: torch.Tensor, done: Callable[[], bool], keep: Any = None) -> None:
         """``table`` (and ``keep``, e.g. the host memory the copy uses) are held until
