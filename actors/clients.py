@@ -23,6 +23,7 @@ from tierstore.actors.calls import Pending, send
 
 from tierstore.config import TierStoreConfig
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
+from tierstore.store.nixl_pulls import NixlLoan, nixl_loan_of
 from tierstore.wire import (
     EventBatch,
     LookupAnswer,
@@ -250,16 +251,22 @@ class NodeStoreClient:
 
     def lend_shards(
         self, shard_ids: list[ShardId]
-    ) -> Pending[tuple[str, list[ray.ObjectRef], list[ShardMeta]]]:
-        """As :meth:`load_shards` with ``pull_transport`` "nixl": how the bytes come
-        ("nixl": an RDT object of the holder's extents, to read in place; else an
-        object-store object of arrays), the object, and the metas."""
+    ) -> Pending[tuple[NixlLoan | list[ray.ObjectRef], list[ShardMeta]]]:
+        """As :meth:`load_shards` with ``pull_transport`` "nixl": a loan of the holder's
+        extents to read over NIXL (end it with :meth:`end_loan`), or, for shards on
+        its disk, an object-store ref in a list; and the metas."""
 
-        def lent(value: Any) -> tuple[str, list[ray.ObjectRef], list[ShardMeta]]:
-            how, refs, metas = value
-            return str(how), list(refs), metas_of(metas)
+        def lent(value: Any) -> tuple[NixlLoan | list[ray.ObjectRef], list[ShardMeta]]:
+            how, metas = value
+            if isinstance(how, list):
+                return how, metas_of(metas)
+            return nixl_loan_of(how), metas_of(metas)
 
         return self._call("lend_shards", shard_ids, convert=lent)
+
+    def end_loan(self, loan_id: int) -> Pending[None]:
+        """One-way: this node is done reading the loan's extents."""
+        return self._call("end_loan", loan_id)
 
     def pull(self, pulls: list[tuple[ShardId, NodeId]]) -> Pending[None]:
         """One-way (the Evictor, answering a lookup from this node): pull each shard from

@@ -38,7 +38,6 @@ import numpy as np
 import ray
 from tierstore.actors.clients import EvictorClient, NodeStoreClient
 from tierstore.actors.names import evictor_name, node_store_name
-from tierstore.actors.nixl_pulls import NixlPulls
 
 from tierstore.config import TierStoreConfig
 from tierstore.data.arena.holders import HolderLock
@@ -46,7 +45,7 @@ from tierstore.data.arena.reaper import start_reaper
 from tierstore.data.arena.region import ArenaRegion
 from tierstore.data.tiers.arena import ArenaTier
 from tierstore.data.tiers.disk import DiskTier
-from tierstore.errors import UnknownNodeError
+from tierstore.errors import ChunkNotFoundError, UnknownNodeError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
 from tierstore.store.arena_store import ArenaStore
 from tierstore.store.batch_queue import BatchQueue
@@ -57,6 +56,7 @@ from tierstore.store.evictor_shards import (
     failed_shards,
 )
 from tierstore.store.loans import ArenaLoans
+from tierstore.store.nixl_pulls import NixlArena, NixlLoan
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.store.pulls import Moved, Pulls
 from tierstore.store.rank_gather import GATHER_WAIT_S
@@ -199,13 +199,13 @@ class NodeStore:
         )
         self._arena = ArenaStore(self._core, self._cpu)
         self._holders: dict[NodeId, NodeStoreClient] = {}  # other nodes' NodeStores, pulled from
-        self._nixl: NixlPulls | None = None
+        self._nixl: NixlArena | None = None
         if cfg.pull_transport == "nixl":
             # This NodeStore's own holder of pins (lent extents) and grants (pulled ones).
             self._holder_lock = HolderLock(self._cpu.info.path)
             holder, timeout_s = self._holder_lock.holder, self._pull_timeout_s
             loans = ArenaLoans(self._core, self._cpu, holder, timeout_s)
-            self._nixl = NixlPulls(loans, self._cpu.region.array, self._pull_timeout_s)
+            self._nixl = NixlArena(loans, self._cpu.region.array, node_id, timeout_s)
         self._pulls = Pulls(self._move, self._pull_failed, self._core.holds, cfg.pulls_per_node)
         self._parked = 0  # shards gathered for their TP group (read by the flusher)
         self._stop = threading.Event()
@@ -364,16 +364,27 @@ class NodeStore:
     @_DATA
     def lend_shards(
         self, shard_ids: list[ShardId]
-    ) -> tuple[str, list[ray.ObjectRef], list[ShardMeta]]:
+    ) -> tuple[NixlLoan | list[ray.ObjectRef], list[ShardMeta]]:
         """As :meth:`load_shards`, with ``pull_transport`` "nixl": the shards' extents
-        lent in place, as an RDT object the caller reads over NIXL ("nixl"), or, if one
-        is on disk only, one object-store object of them all ("object_store")."""
+        lent for the caller to read over NIXL (a loan it ends with :meth:`end_loan`),
+        or, if one is on disk only, one object-store object of them all (a ref in a
+        list, as :meth:`load_shards`); and their metas."""
         ids = [s for s in checked_shard_ids(shard_ids) if s is not None]
         if len(ids) != len(shard_ids):
             raise ValueError(f"{len(shard_ids) - len(ids)} malformed shard ids")
         if self._nixl is None:
             raise ValueError(f"this NodeStore's pull_transport is {self._cfg.pull_transport!r}")
-        return self._nixl.lend(ids, lambda ids: self._core.load_shard_views(ids, ray.put))
+        try:
+            return self._nixl.lend(ids)
+        except ChunkNotFoundError:  # one is on disk only: read them all, put them
+            ref, metas = self._core.load_shard_views(ids, ray.put)
+            return [ref], metas
+
+    @_DATA
+    def end_loan(self, loan_id: int) -> None:
+        """One-way, from the node that read a loan's extents (:meth:`lend_shards`)."""
+        if self._nixl is not None and isinstance(loan_id, int):
+            self._nixl.end_loan(loan_id)
 
     # ---- lookup-time pulls (tierstore.store.pulls) -----------------------------------
     @_DATA
@@ -412,15 +423,21 @@ class NodeStore:
         if client is None:
             store = ray.get_actor(node_store_name(holder), namespace=self._cfg.namespace)
             client = self._holders[holder] = NodeStoreClient(store, holder, self._pull_timeout_s)
+        started = time.perf_counter()
         try:
             if self._nixl is not None:
-                return self._nixl.pull(
-                    shard_ids,
-                    lambda timeout_s: client.lend_shards(shard_ids).result(timeout_s),
-                    self._core.accept_replicas,
-                )
-            started = time.perf_counter()
-            views, metas = client.load_shards(shard_ids).result(self._pull_timeout_s)
+                lent, metas = client.lend_shards(shard_ids).result(self._pull_timeout_s)
+                if len(metas) != len(shard_ids):
+                    raise ValueError(f"{len(metas)} metas for {len(shard_ids)} shards")
+                shards = list(zip(shard_ids, metas, strict=True))
+                if isinstance(lent, NixlLoan):
+                    try:
+                        return self._nixl.read(lent, shards, started)
+                    finally:
+                        client.end_loan(lent.loan_id)  # one-way
+                views = list(ray.get(lent[0], timeout=self._pull_timeout_s))
+            else:
+                views, metas = client.load_shards(shard_ids).result(self._pull_timeout_s)
             if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
                 raise ValueError(f"{len(views)} arrays for {len(shard_ids)} shards")
             fetched = time.perf_counter()

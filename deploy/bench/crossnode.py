@@ -7,14 +7,16 @@ gets a new object per repeat (a second get of one object would be served from no
 own copy). Baselines: ``ray_get`` (an object already in node A's store, pulled to B) and
 ``ray_put_get`` (A puts, B pulls: what a tierstore load also pays). Then B reports its
 loads as an engine's manager does, the Evictor copies the now hot chunk to B
-(``replicate_after_loads``), and the same load is timed again from B's own copy. Run by
-hand it
-simulates two nodes with ``ray.cluster_utils``; under ``ray job submit`` on a cluster of
-two or more nodes it uses two real ones.
+(``replicate_after_loads``), and the same load is timed again from B's own copy. The
+whole set runs once per ``pull_transport`` (the object store, then NIXL where it imports),
+with the actors started anew for each. Run by hand it simulates two nodes with
+``ray.cluster_utils``; under ``ray job submit`` on a cluster of two or more nodes it uses
+two real ones.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -30,8 +32,12 @@ from tierstore.deploy.bench.common import two_nodes
 from tierstore.deploy.bench.dataplane import PageJobs
 
 from tierstore.config import TierStoreConfig
+from tierstore.errors import ConfigError
 from tierstore.keys import ChunkKey, Namespace, NodeId
+from tierstore.store.nixl_pulls import check_nixl
 from tierstore.vllm.transfer_specs import LoadSpec
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "tierstore-bench-crossnode"
 NS = Namespace("c055")
@@ -195,34 +201,48 @@ def _make_hot(cfg: TierStoreConfig, key: bytes, node_b: str) -> float:
 
 def run(args: Any) -> dict[str, Any]:
     sizes = [1 << 20, 16 << 20] if args.quick else [1 << 20, 16 << 20, 64 << 20]
-    # Room for every chunk the run stores on A and copies to B, below the low watermark.
-    # One Evictor, called directly (load_after_lookup_s, _make_hot).
-    cfg = TierStoreConfig(cpu_bytes_per_node=32 * (64 << 20), namespace=NAMESPACE, evictor_shards=1)
+    transports = ["object_store"]
+    try:
+        check_nixl()
+        transports.append("nixl")
+    except ConfigError as exc:
+        logger.warning("crossnode: no NIXL row (%s)", exc)
+    results: dict[str, list[dict[str, Any]]] = {}
     with two_nodes(NAMESPACE, "crossnode") as (node_a, node_b, how):
-        ensure_actors(cfg)
-        try:
-            results = [bench_size(cfg, node_a, node_b, size) for size in sizes]
-        finally:
-            shutdown_actors(NAMESPACE)
-    return {"nodes": how, "repeats": _REPEATS, "sizes": results}
+        for transport in transports:
+            # Room for every chunk the run stores on A and copies to B, below the low
+            # watermark. One Evictor, called directly (load_after_lookup_s, _make_hot).
+            cfg = TierStoreConfig(
+                cpu_bytes_per_node=32 * (64 << 20),
+                namespace=NAMESPACE,
+                evictor_shards=1,
+                pull_transport=transport,
+            )
+            ensure_actors(cfg)
+            try:
+                results[transport] = [bench_size(cfg, node_a, node_b, size) for size in sizes]
+            finally:
+                shutdown_actors(NAMESPACE)
+    return {"nodes": how, "repeats": _REPEATS, "transports": results}
 
 
 def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    sizes = results["sizes"]
-    names = [
-        "tierstore_load_no_pull",
-        "tierstore_load",
-        "tierstore_load_after_step",
-        "tierstore_load_local_copy",
-        "ray_put_get",
-        "ray_get",
-    ]
+    transports: dict[str, list[dict[str, Any]]] = results["transports"]
+    first = next(iter(transports.values()))
+    loads = ["tierstore_load_no_pull", "tierstore_load", "tierstore_load_after_step"]
+    series = {
+        f"{name} ({transport})": [s["GBps"][name] for s in sizes]
+        for transport, sizes in transports.items()
+        for name in loads
+    }
+    for name in ("tierstore_load_local_copy", "ray_put_get", "ray_get"):
+        series[name] = [s["GBps"][name] for s in first]
     return [
         plots.bars(
             out / "crossnode.png",
             f"Cross-node load, node A -> node B ({results['nodes']})",
             "GB/s",
-            [f"{s['bytes'] >> 20} MiB" for s in sizes],
-            {n: [s["GBps"][n] for s in sizes] for n in names},
+            [f"{s['bytes'] >> 20} MiB" for s in first],
+            series,
         )
     ]

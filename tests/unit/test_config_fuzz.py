@@ -114,6 +114,7 @@ BAD_VALUES: dict[str, st.SearchStrategy[Any]] = {
     | st.integers(max_value=-1)
     | st.integers(min_value=65)
     | st.floats(),
+    "pull_transport": _anything.filter(lambda v: v not in ("object_store", "nixl")),
     "evictor_shards": _not_number.filter(lambda v: v != "auto")
     | st.integers(max_value=0)
     | st.integers(min_value=257)

@@ -5,7 +5,7 @@ granted for them, then verifies and keeps them as the Evictor's replicas. Neithe
 copies: the transport reads one arena into the other.
 
 :class:`ArenaLoans` keeps both sides' books for one node; it has no Ray and moves no
-bytes (the actor's transport, ``actors/nixl_pulls.py``, does). Its holder is the
+bytes (:mod:`tierstore.store.nixl_pulls` does). Its holder is the
 NodeStore's own lock on the arena (:class:`~tierstore.data.arena.holders.HolderLock`):
 pins and grants under it are the NodeStore's, and end with it.
 
