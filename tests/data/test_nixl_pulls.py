@@ -8,10 +8,12 @@ ends it, or until its time is up."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from tierstore.data.tiers.base import StoredShard
 from tierstore.errors import ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.loans import ArenaLoans
-from tierstore.store.nixl_pulls import NixlArena, check_nixl
+from tierstore.store.nixl_pulls import NixlArena, NixlLoan, check_nixl
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.wire import ShardMeta
 
@@ -94,18 +96,24 @@ def _hold(node: Node, n: int, seed: int) -> list[tuple[ShardId, ShardMeta, np.nd
     return held
 
 
+def _lend(
+    holder: Node, held: list[tuple[ShardId, ShardMeta, np.ndarray]]
+) -> tuple[NixlLoan, list[tuple[ShardId, ShardMeta]]]:
+    """The holder lends ``held``: the loan, and each shard with the meta it answered."""
+    loan, metas = holder.nixl.lend([s for s, _, _ in held])
+    assert metas == [m for _, m, _ in held]
+    return loan, list(zip([s for s, _, _ in held], metas, strict=True))
+
+
 def test_a_read_lands_the_holders_bytes_exactly_and_keeps_them_as_replicas(
     nodes: tuple[Node, Node],
 ) -> None:
     holder, puller = nodes
     held = _hold(holder, 5, seed=1)
-    loan, metas = holder.nixl.lend([s for s, _, _ in held])
-    assert metas == [m for _, m, _ in held]
+    loan, shards = _lend(holder, held)
     assert holder.tier.status()["pinned_extents"] == 5  # lent: pinned until ended
-    moved = puller.nixl.read(
-        loan, list(zip([s for s, _, _ in held], metas, strict=True)), time.perf_counter()
-    )
-    assert moved.nbytes == sum(m.nbytes for m in metas)
+    moved = puller.nixl.read(loan, shards, time.perf_counter())
+    assert moved.nbytes == sum(m.nbytes for _, m in shards)
     for shard_id, _, data in held:
         kept = puller.tier.find(shard_id)
         assert kept is not None and np.array_equal(kept.data, data)
@@ -137,10 +145,8 @@ def test_a_read_past_its_deadline_keeps_nothing_and_quarantines_its_extents(
     nodes: tuple[Node, Node],
 ) -> None:
     holder, puller = nodes
-    held = _hold(holder, 2, seed=3)
-    loan, metas = holder.nixl.lend([s for s, _, _ in held])
+    loan, shards = _lend(holder, _hold(holder, 2, seed=3))
     free_before = puller.tier.status()["arena_free_bytes"]
-    shards = list(zip([s for s, _, _ in held], metas, strict=True))
     with pytest.raises(TimeoutError):  # its pull started longer ago than its deadline
         puller.nixl.read(loan, shards, time.perf_counter() - 2 * TIMEOUT_S)
     assert all(puller.tier.find(s) is None for s, _ in shards)
@@ -191,3 +197,46 @@ def test_an_idle_agent_does_not_keep_a_core_busy(nodes: tuple[Node, Node]) -> No
     started = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - started < 0.5
+
+
+def _lend_then_wait(conn: Connection) -> None:
+    """A holder process: holds three shards, lends them, sends the loan and the shards'
+    ids and metas, then waits to be killed."""
+    region = ArenaRegion.create("ns-nixl", uuid.uuid4().hex, 4 << 20)
+    tier = ArenaTier(region, capacity_bytes=2 << 20)
+    core = NodeStoreCore(NodeId(uuid.uuid4().hex), tier, None, Reports())  # type: ignore[arg-type]
+    lock = HolderLock(region.info.path)
+    holder = Node(
+        core,
+        tier,
+        NixlArena(ArenaLoans(core, tier, lock.holder, 1.0), region.array, core.node_id, 60.0),
+        Reports(),
+    )
+    conn.send(_lend(holder, _hold(holder, 3, seed=6)))
+    time.sleep(60)
+
+
+def test_a_holder_killed_mid_pull_fails_the_read_within_its_deadline(
+    nodes: tuple[Node, Node],
+) -> None:
+    """The holder's process lent its extents and died before the puller read them: the
+    read fails by its deadline, nothing is kept, and the reserved extents are
+    quarantined (the read might still land)."""
+    _, puller = nodes
+    spawn = multiprocessing.get_context("spawn")
+    ours, theirs = spawn.Pipe()
+    process = spawn.Process(target=_lend_then_wait, args=(theirs,), daemon=True)
+    process.start()
+    try:
+        assert ours.poll(60), "the holder process did not lend"
+        loan, shards = ours.recv()
+    finally:
+        process.kill()
+        process.join(10)
+    started = time.perf_counter()
+    with pytest.raises((ConnectionError, TimeoutError)):
+        puller.nixl.read(loan, shards, started)
+    assert time.perf_counter() - started < TIMEOUT_S + 1.0
+    assert all(puller.tier.find(s) is None for s, _ in shards)
+    assert puller.nixl.status()["quarantined_extents"] == 3
+    assert not puller.reports.done

@@ -188,7 +188,8 @@ class NixlArena:
         """Read the loan's extents into extents reserved here and keep what verifies
         (the Evictor hears which). ``started``: the pull's start (``perf_counter``); the
         read waits until ``timeout_s`` after it at most. Raises if the read failed or
-        timed out (nothing kept, the extents quarantined). A pull thread."""
+        timed out (nothing kept, the extents quarantined): TimeoutError, or
+        ConnectionError (the holder gone, a refused read). A pull thread."""
         metas = [meta for _, meta in shards]
         offsets = self._loans.reserve(metas)
         handle = None
@@ -201,11 +202,19 @@ class NixlArena:
             remote = self._agent.deserialize_descs(loan.descs)
             handle = self._agent.initialize_xfer("READ", local, remote, loan.agent, b"")
             self._wait(handle, self._agent.transfer(handle), started + self._timeout_s)
-        except BaseException:
+        except (TimeoutError, ConnectionError):
             self._abandon(handle, loan.agent, offsets)
             raise
-        self._agent.release_xfer_handle(handle)
+        except BaseException as exc:  # NIXL's own errors: no endpoint, a refused read
+            self._abandon(handle, loan.agent, offsets)
+            if not isinstance(exc, Exception):
+                raise
+            raise ConnectionError(f"NIXL read from {loan.agent} failed: {exc!r}") from exc
         fetched = time.perf_counter()
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # the read is done: its bytes are kept all the same
+            logger.warning("releasing a finished NIXL read failed", exc_info=True)
         self._loans.keep(shards, offsets)
         with self._lock:
             self._counts["read_in_place"] += len(shards)
@@ -276,4 +285,12 @@ class NixlArena:
             return {**self._counts, "nixl_loans": len(self._lent), **self._loans.status()}
 
     def close(self) -> None:
+        """The NodeStore stops: no more reads of this arena (a peer's read in flight
+        fails, and its puller quarantines what it reserved), before the arena goes."""
         self._stop.set()
+        registration, self._registration = self._registration, None
+        try:
+            if registration is not None:
+                self._agent.deregister_memory(registration)
+        except Exception:
+            logger.warning("deregistering the arena from NIXL failed", exc_info=True)
