@@ -23,7 +23,6 @@ from tierstore.actors.calls import Pending, send
 
 from tierstore.config import TierStoreConfig
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName
-from tierstore.store.nixl_pulls import NixlLoan, nixl_loan_of
 from tierstore.wire import (
     EventBatch,
     LookupAnswer,
@@ -50,6 +49,7 @@ from tierstore.wire import (
     resized_of,
     unit_decision_of,
 )
+from tierstore.wire_nixl import NixlLoan, nixl_loan_of
 
 # Default deadline of an answer: the Evictor answers in milliseconds; 30 s means it is
 # stuck or gone (the scheduler's lookups then count as misses).

@@ -56,7 +56,7 @@ from tierstore.store.evictor_shards import (
     failed_shards,
 )
 from tierstore.store.loans import ArenaLoans
-from tierstore.store.nixl_pulls import NixlArena, NixlLoan
+from tierstore.store.nixl_pulls import NixlArena
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.store.pulls import Moved, Pulls
 from tierstore.store.rank_gather import GATHER_WAIT_S
@@ -70,6 +70,7 @@ from tierstore.wire import (
     pulls_of,
     replicas_of,
 )
+from tierstore.wire_nixl import NixlLoan
 
 logger = logging.getLogger(__name__)
 

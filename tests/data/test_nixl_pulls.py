@@ -26,9 +26,10 @@ from tierstore.data.tiers.base import StoredShard
 from tierstore.errors import ChunkNotFoundError
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.loans import ArenaLoans
-from tierstore.store.nixl_pulls import NixlArena, NixlLoan, check_nixl
+from tierstore.store.nixl_pulls import NixlArena, check_nixl
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.wire import ShardMeta
+from tierstore.wire_nixl import NixlLoan
 
 pytest.importorskip("nixl._api", reason="NIXL is installed by deploy/setup.sh")
 

@@ -27,6 +27,7 @@ RAY_FREE = (
     "tierstore.errors",
     "tierstore.fields",  # checks of what crosses a process boundary
     "tierstore.wire",  # the messages that cross one, and their decoding
+    "tierstore.wire_nixl",  # a NIXL pull's message
     "tierstore.registry",
     "tierstore.private_files",
 )
@@ -135,7 +136,13 @@ def test_every_module_has_a_layer_and_the_checker_sees_a_wrong_import(tmp_path: 
 
 # What a process that only talks to the actors may load of tierstore: the engine's
 # scheduler (the manager) and anything holding a client load no tier, index or store.
-_CLIENT_SIDE_OK = ("tierstore.actors", "tierstore.vllm", "tierstore.wire", "tierstore.fields")
+_CLIENT_SIDE_OK = (
+    "tierstore.actors",
+    "tierstore.vllm",
+    "tierstore.wire",
+    "tierstore.wire_nixl",
+    "tierstore.fields",
+)
 _CLIENT_SIDE_OK_EXACT = {"tierstore", "tierstore.config", "tierstore.errors", "tierstore.keys"}
 
 

@@ -3,10 +3,11 @@ arena extents straight into extents of its own arena, one one-sided read per pul
 
 Each NodeStore makes one NIXL agent (UCX backend) and registers its whole arena with it
 once, at start. A pull is one call to the holder (:meth:`NixlArena.lend`: the shards'
-extents pinned and verified, described to NIXL, and a :class:`NixlLoan` back with their
-metas, all in the call's reply) and one READ of every extent into extents the puller
-reserved (:meth:`NixlArena.read`), which it then verifies and keeps; the puller then
-ends the loan (one-way). Neither side copies, and no byte passes through an object
+extents pinned and verified, described to NIXL, and a
+:class:`~tierstore.wire_nixl.NixlLoan` back with their metas, all in the call's reply)
+and one READ of every extent into extents the puller reserved
+(:meth:`NixlArena.read`), which it then verifies and keeps; the puller then ends the
+loan (one-way). Neither side copies, and no byte passes through an object
 store. Against Ray Direct Transport's NIXL path (``ray.put(..., _tensor_transport=
 "nixl")``), which moves the same bytes, this saves RDT's metadata object: a put into the
 holder's object store and its fetch by the puller, milliseconds per pull on every size
@@ -44,8 +45,9 @@ from tierstore.keys import ShardId
 from tierstore.store.loans import ArenaLoans
 from tierstore.store.pulls import Moved
 from tierstore.wire import ShardMeta
+from tierstore.wire_nixl import NixlLoan
 
-__all__ = ["NixlArena", "NixlLoan", "check_nixl", "nixl_loan_of"]
+__all__ = ["NixlArena", "check_nixl"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,29 +56,6 @@ _REAP_PERIOD_S = 0.05
 # microseconds on one host), then back off so a long one costs no core.
 _POLL_FIRST_S = 50e-6
 _POLL_MAX_S = 1e-3
-
-
-class NixlLoan(NamedTuple):
-    """The holder's answer to a NIXL pull (with the shards' metas, in order): which loan
-    to end, its agent (name and metadata, for the puller to reach it) and the extents,
-    as NIXL's serialized descriptor list."""
-
-    loan_id: int
-    agent: str
-    agent_meta: bytes
-    descs: bytes
-
-
-def nixl_loan_of(value: Any) -> NixlLoan:
-    """A loan as it arrives from another process, checked field by field."""
-    if not isinstance(value, tuple | list) or len(value) != 4:
-        raise ValueError(f"malformed NIXL loan: {type(value).__name__}")
-    loan_id, agent, agent_meta, descs = value
-    if not isinstance(loan_id, int) or not isinstance(agent, str):
-        raise ValueError("malformed NIXL loan: loan_id or agent")
-    if not isinstance(agent_meta, bytes) or not isinstance(descs, bytes):
-        raise ValueError("malformed NIXL loan: agent metadata or descriptors")
-    return NixlLoan(loan_id, agent, agent_meta, descs)
 
 
 def check_nixl() -> None:
@@ -105,16 +84,19 @@ def _make_agent(name: str) -> Any:
     pause as the agent is made (nixl's Python wrapper sets none of its own)."""
     from nixl import _api
 
-    bind = _api.nixlBind
-    native = bind.nixlAgent
+    config = _api.nixl_agent_config(
+        backends=["UCX"], sync_mode=_api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    )
+    bind: Any = getattr(_api, "nixlBind", None)
+    native = getattr(bind, "nixlAgent", None)
+    if native is None:  # another nixl than 1.5's layout: its own defaults
+        logger.warning("nixl's native agent was not found: its progress thread may spin")
+        return _api.nixl_agent(name, config)
 
     def paused(agent_name: str, config: Any) -> Any:
         config.pthrDelay = _PROGRESS_PAUSE_US
         return native(agent_name, config)
 
-    config = _api.nixl_agent_config(
-        backends=["UCX"], sync_mode=_api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-    )
     with _MAKING_AGENT:
         bind.nixlAgent = paused
         try:
