@@ -230,39 +230,35 @@ class NodeStoreClient:
     ) -> Pending[tuple[list[np.ndarray], list[ShardMeta]]]:
         """The shards, one read-only array each, in key order (zero-copy views of the
         fetched object, which they keep alive), and their metas."""
-
-        def fetched(value: Any) -> tuple[list[np.ndarray], list[ShardMeta]]:
-            refs, metas = value
-            return list(ray.get(refs[0], timeout=self.timeout_s)), metas_of(metas)
-
-        return self._call("load", namespace, rank, keys, convert=fetched)
+        return self._call("load", namespace, rank, keys, convert=self._fetched)
 
     def load_shards(
         self, shard_ids: list[ShardId]
     ) -> Pending[tuple[list[np.ndarray], list[ShardMeta]]]:
         """As :meth:`load`, for shards of any ranks and namespace order: a node pulling
         its copies of a request's chunks from this holder (one call, one object)."""
-
-        def fetched(value: Any) -> tuple[list[np.ndarray], list[ShardMeta]]:
-            refs, metas = value
-            return list(ray.get(refs[0], timeout=self.timeout_s)), metas_of(metas)
-
-        return self._call("load_shards", shard_ids, convert=fetched)
+        return self._call("load_shards", shard_ids, convert=self._fetched)
 
     def lend_shards(
         self, shard_ids: list[ShardId]
-    ) -> Pending[tuple[NixlLoan | list[ray.ObjectRef], list[ShardMeta]]]:
+    ) -> Pending[tuple[NixlLoan | list[np.ndarray], list[ShardMeta]]]:
         """As :meth:`load_shards` with ``pull_transport`` "nixl": a loan of the holder's
         extents to read over NIXL (end it with :meth:`end_loan`), or, for shards on
-        its disk, an object-store ref in a list; and the metas."""
+        its disk, their arrays as :meth:`load_shards` gives them; and the metas."""
 
-        def lent(value: Any) -> tuple[NixlLoan | list[ray.ObjectRef], list[ShardMeta]]:
+        def lent(value: Any) -> tuple[NixlLoan | list[np.ndarray], list[ShardMeta]]:
             how, metas = value
-            if isinstance(how, list):
-                return how, metas_of(metas)
+            if isinstance(how, list):  # an object-store ref, in a list
+                return self._fetched(value)
             return nixl_loan_of(how), metas_of(metas)
 
         return self._call("lend_shards", shard_ids, convert=lent)
+
+    def _fetched(self, value: Any) -> tuple[list[np.ndarray], list[ShardMeta]]:
+        """A ``[ref], metas`` answer: the object's arrays (zero-copy views it keeps
+        alive), fetched within this client's deadline, and the metas."""
+        refs, metas = value
+        return list(ray.get(refs[0], timeout=self.timeout_s)), metas_of(metas)
 
     def end_loan(self, loan_id: int) -> Pending[None]:
         """One-way: this node is done reading the loan's extents."""

@@ -428,15 +428,13 @@ class NodeStore:
         try:
             if self._nixl is not None:
                 lent, metas = client.lend_shards(shard_ids).result(self._pull_timeout_s)
-                if len(metas) != len(shard_ids):
-                    raise ValueError(f"{len(metas)} metas for {len(shard_ids)} shards")
-                shards = list(zip(shard_ids, metas, strict=True))
                 if isinstance(lent, NixlLoan):
-                    try:
+                    try:  # zip: a reply of another length raises ValueError
+                        shards = list(zip(shard_ids, metas, strict=True))
                         return self._nixl.read(lent, shards, started)
                     finally:
                         client.end_loan(lent.loan_id)  # one-way
-                views = list(ray.get(lent[0], timeout=self._pull_timeout_s))
+                views = lent
             else:
                 views, metas = client.load_shards(shard_ids).result(self._pull_timeout_s)
             if len(views) != len(shard_ids) or len(metas) != len(shard_ids):

@@ -177,9 +177,9 @@ class TierStoreConfig:
     # pulls at lookup (a load pulls when it starts).
     pulls_per_node: int = 4
     # How a pull's bytes cross between nodes: "object_store" (the holder puts the shards
-    # into Ray's object store, the puller copies them into its arena) or "nixl" (Ray
-    # Direct Transport over NIXL: the puller reads the holder's arena extents straight
-    # into its own, no copy on either side; needs the nixl package on every node).
+    # into Ray's object store, the puller copies them into its arena) or "nixl" (the
+    # puller reads the holder's arena extents straight into its own over NIXL, no copy
+    # on either side; needs the nixl package on every node).
     pull_transport: str = "object_store"
     # Evictor shards: each owns the prefix trees whose first chunk hashes to it (their
     # index, leases and eviction), and 1/evictor_shards of every node's tiers. Lookups
