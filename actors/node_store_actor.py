@@ -28,6 +28,7 @@ queues behind a store waiting on the Evictor's ``admit`` or behind deferred disk
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 import threading
@@ -60,6 +61,7 @@ from tierstore.store.nixl_pulls import NixlArena
 from tierstore.store.node_store import NodeStoreCore
 from tierstore.store.pulls import Moved, Pulls
 from tierstore.store.rank_gather import GATHER_WAIT_S
+from tierstore.store.replicas import Landed
 from tierstore.wire import (
     NodeActions,
     RegionInfo,
@@ -170,7 +172,6 @@ class NodeStore:
         self._reregistering: set[int] = set()  # shards a reregister was sent for
         self._reregistering_lock = threading.Lock()
         evictor = ShardedEvictorPort(self._evictors, self._root_of, self._shard_failed)
-        self._evictor = evictor
         self._node_id = node_id
         self._cfg = cfg
         self._shares = ShareBook(
@@ -207,7 +208,9 @@ class NodeStore:
             holder, timeout_s = self._holder_lock.holder, self._pull_timeout_s
             loans = ArenaLoans(self._core, self._cpu, holder, timeout_s)
             self._nixl = NixlArena(loans, self._cpu.region.array, node_id, timeout_s)
-        self._pulls = Pulls(self._move, self._pull_failed, self._core.holds, cfg.pulls_per_node)
+        self._pulls = Pulls(
+            self._move, self._core.report_replicas, self._core.holds, cfg.pulls_per_node
+        )
         self._parked = 0  # shards gathered for their TP group (read by the flusher)
         self._stop = threading.Event()
         # Sends this actor a flush of gathered units no commit came to offer; all arena
@@ -418,8 +421,9 @@ class NodeStore:
 
     def _move(self, holder: NodeId, shard_ids: list[ShardId]) -> Moved:
         """A pull thread: ``shard_ids`` from ``holder``'s NodeStore in one call and one
-        transfer, by ``pull_transport``: read into this node's arena in place (NIXL), or
-        pulled into this node's object store and copied into the arena; kept verified."""
+        transfer, by ``pull_transport``: read into this node's arena in place (NIXL; the
+        loan's end is the Moved's, or sent here if the read failed), or pulled into this
+        node's object store and copied into the arena; kept verified."""
         client = self._holders.get(holder)
         if client is None:
             store = ray.get_actor(node_store_name(holder), namespace=self._cfg.namespace)
@@ -429,26 +433,25 @@ class NodeStore:
             if self._nixl is not None:
                 lent, metas = client.lend_shards(shard_ids).result(self._pull_timeout_s)
                 if isinstance(lent, NixlLoan):
+                    end_loan = functools.partial(client.end_loan, lent.loan_id)  # one-way
                     try:  # zip: a reply of another length raises ValueError
                         shards = list(zip(shard_ids, metas, strict=True))
-                        return self._nixl.read(lent, shards, started)
-                    finally:
-                        client.end_loan(lent.loan_id)  # one-way
+                        moved = self._nixl.read(lent, shards, started)
+                    except BaseException:
+                        end_loan()
+                        raise
+                    return moved._replace(end_loan=end_loan)
                 views = lent
             else:
                 views, metas = client.load_shards(shard_ids).result(self._pull_timeout_s)
             if len(views) != len(shard_ids) or len(metas) != len(shard_ids):
                 raise ValueError(f"{len(views)} arrays for {len(shard_ids)} shards")
             fetched = time.perf_counter()
-            self._core.accept_replicas(list(zip(shard_ids, metas, strict=True)), list(views))
-            return Moved(sum(int(v.nbytes) for v in views), fetched - started)
+            landed = self._core.keep_replicas(list(zip(shard_ids, metas, strict=True)), views)
+            return Moved(sum(int(v.nbytes) for v in views), fetched - started, landed)
         except Exception:
             self._holders.pop(holder, None)  # it may have been replaced: look it up again
             raise
-
-    def _pull_failed(self, shard_ids: list[ShardId]) -> None:
-        """A pull failed: the Evictor drops the copies it reserved here (one-way)."""
-        self._evictor.replicated(self._node_id, [], shard_ids)
 
     @_CONTROL
     def apply(self, actions: NodeActions) -> None:
@@ -471,8 +474,7 @@ class NodeStore:
             logger.warning(
                 "replica buffer unreadable; %d replicas not kept", len(shards), exc_info=True
             )
-            failed = [shard_id for shard_id, _ in received]
-            self._evictor.replicated(self._node_id, [], failed)  # one-way
+            self._core.report_replicas(Landed([], [shard_id for shard_id, _ in received]))
             return
         self._core.accept_replicas(received, views)
 

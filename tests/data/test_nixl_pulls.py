@@ -28,6 +28,7 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.loans import ArenaLoans
 from tierstore.store.nixl_pulls import NixlArena, check_nixl
 from tierstore.store.node_store import NodeStoreCore
+from tierstore.store.replicas import Landed
 from tierstore.wire import ShardMeta
 from tierstore.wire_nixl import NixlLoan
 
@@ -118,7 +119,7 @@ def test_a_read_lands_the_holders_bytes_exactly_and_keeps_them_as_replicas(
     for shard_id, _, data in held:
         kept = puller.tier.find(shard_id)
         assert kept is not None and np.array_equal(kept.data, data)
-    assert puller.reports.done == [s for s, _, _ in held] and not puller.reports.failed
+    assert moved.landed.kept == [s for s, _, _ in held] and not moved.landed.failed
     holder.nixl.end_loan(loan.loan_id)
     assert holder.tier.status()["pinned_extents"] == 0
     assert puller.nixl.status()["read_in_place"] == 5
@@ -136,9 +137,9 @@ def test_bytes_that_changed_under_the_loan_are_not_kept(nodes: tuple[Node, Node]
     assert view is not None
     view.data[:8] ^= 0xFF
     free_before = puller.tier.status()["arena_free_bytes"]
-    puller.nixl.read(loan, [(good[0], metas[0]), (bad[0], metas[1])], time.perf_counter())
+    moved = puller.nixl.read(loan, [(good[0], metas[0]), (bad[0], metas[1])], time.perf_counter())
     assert puller.tier.find(bad[0]) is None and puller.tier.find(good[0]) is not None
-    assert puller.reports.done == [good[0]] and puller.reports.failed == [bad[0]]
+    assert moved.landed == Landed([good[0]], [bad[0]])
     assert puller.tier.status()["arena_free_bytes"] == free_before - good[1].nbytes
 
 
@@ -240,4 +241,3 @@ def test_a_holder_killed_mid_pull_fails_the_read_within_its_deadline(
     assert time.perf_counter() - started < TIMEOUT_S + 1.0
     assert all(puller.tier.find(s) is None for s, _ in shards)
     assert puller.nixl.status()["quarantined_extents"] == 3
-    assert not puller.reports.done

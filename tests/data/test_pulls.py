@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.pulls import Moved, Pulls
+from tierstore.store.replicas import Landed
 from tierstore.wire import PullState
 
 NS = Namespace("ab")
@@ -37,10 +39,24 @@ class Holders:
         if holder in self.fail:
             raise ConnectionError(f"{holder} died")
         self.held.update(ids)
-        return Moved(8 * len(ids), 0.0)
+        return Moved(8 * len(ids), 0.0, Landed(list(ids), []))
+
+    def report(self, landed: Landed) -> None:
+        self.failed.extend(landed.failed)
 
     def pulls(self, workers: int = 4) -> Pulls:
-        return Pulls(self.move, self.failed.extend, self.held.__contains__, workers)
+        return Pulls(self.move, self.report, self.held.__contains__, workers)
+
+
+def eventually(condition: Callable[[], bool], within_s: float = 10.0) -> bool:
+    """Whether ``condition`` holds within ``within_s`` (a pull's reports are sent after
+    the loads waiting on it go on)."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_one_pull_per_holder_and_none_again_while_in_flight() -> None:
@@ -68,9 +84,7 @@ def test_a_join_waits_for_the_pull_at_most_its_deadline_and_a_failed_pull_fails_
     assert pulls.wait([sid(0)], 0.2) == [PullState.FAILED]  # still running at the deadline
     assert 0.2 <= time.monotonic() - started < 2
     holders.release.set()
-    while pulls.status()["in_flight"]:
-        time.sleep(0.01)
-    assert holders.failed == [sid(0)]  # reported: the Evictor gives the room back
+    assert eventually(lambda: holders.failed == [sid(0)])  # the Evictor frees the room
     assert pulls.status()["failed"] == 1
     # A load after the failure joins nothing: it reads the chunk from a holder itself.
     assert pulls.wait([sid(0)], 10) == [PullState.NONE]
@@ -128,7 +142,7 @@ def test_a_failed_pull_the_load_started_leaves_the_load_to_read_the_shard_itself
     # Its own pull failed: NONE, so the load reads from the holder (or another copy the
     # Evictor names) as it would with no pull, rather than failing.
     assert pulls.wait([sid(0)], 10, [A]) == [PullState.NONE]
-    assert holders.failed == [sid(0)] and pulls.status()["failed"] == 1
+    assert eventually(lambda: holders.failed == [sid(0)]) and pulls.status()["failed"] == 1
     # A pull the Evictor's message started that fails still fails the load joining it.
     holders.release.clear()
     pulls.start([(sid(1), A)])
@@ -136,3 +150,31 @@ def test_a_failed_pull_the_load_started_leaves_the_load_to_read_the_shard_itself
         time.sleep(0.01)
     threading.Timer(0.2, holders.release.set).start()
     assert pulls.wait([sid(1)], 10, [A]) == [PullState.FAILED]
+
+
+def test_loads_waiting_on_a_pull_go_on_before_its_reports_are_sent() -> None:
+    """A pull's one-way reports (to the Evictor which shards it kept, to the holder that
+    its loan ended) are sent after the loads joined to it are released: a slow send
+    costs them nothing."""
+    held: set[ShardId] = set()
+    ended: list[NodeId] = []
+    sends = threading.Event()
+
+    def move(holder: NodeId, ids: list[ShardId]) -> Moved:
+        held.update(ids)
+        return Moved(8, 0.0, Landed(list(ids), []), end_loan=lambda: ended.append(holder))
+
+    reported: list[Landed] = []
+
+    def report(landed: Landed) -> None:
+        assert sends.wait(10)  # a send that takes until the load has gone on
+        reported.append(landed)
+
+    pulls = Pulls(move, report, held.__contains__, 2)
+    pulls.start([(sid(0), A)])
+    started = time.monotonic()
+    assert pulls.wait([sid(0)], 5) == [PullState.HELD]
+    assert time.monotonic() - started < 4  # not held back until the join's deadline
+    assert not reported and not ended
+    sends.set()
+    assert eventually(lambda: reported == [Landed([sid(0)], [])] and ended == [A])

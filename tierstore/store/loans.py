@@ -17,7 +17,7 @@ pins and grants under it are the NodeStore's, and end with it.
   ``quarantine_s`` (:meth:`release_due`), never to another shard before.
 
 Threads: any (the arena tier locks its books); :meth:`keep` reads the bytes outside
-every lock, and calls the Evictor one-way.
+every lock.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tierstore.data.tiers.arena import ArenaTier
 from tierstore.errors import TierFullError
 from tierstore.keys import ShardId
 from tierstore.store.node_store import NodeStoreCore
+from tierstore.store.replicas import Landed
 from tierstore.wire import ShardMeta
 
 __all__ = ["ArenaLoans"]
@@ -86,13 +87,12 @@ class ArenaLoans:
             )
         return granted
 
-    def keep(self, shards: Sequence[tuple[ShardId, ShardMeta]], offsets: Sequence[int]) -> int:
+    def keep(self, shards: Sequence[tuple[ShardId, ShardMeta]], offsets: Sequence[int]) -> Landed:
         """Keep each shard read into its reserved extent if it verifies and fits the
-        tier; give back the rest. The Evictor hears which landed (one-way). Returns the
-        bytes kept."""
+        tier; give back the rest. Returns which were kept, for the Evictor to hear
+        (:meth:`NodeStoreCore.report_replicas`)."""
         done: list[ShardId] = []
         failed: list[ShardId] = []
-        kept = 0
         for (shard_id, meta), offset in zip(shards, offsets, strict=True):
             if digest(self._tier.region.view(offset, meta.nbytes)) != meta.digest:
                 self._core.counters.add(corrupt_on_store=1)
@@ -101,12 +101,10 @@ class ArenaLoans:
             elif self._tier.adopt(self._holder, shard_id, meta, offset):
                 self._core.counters.add(replicas_received=1)
                 done.append(shard_id)
-                kept += meta.nbytes
             else:
                 logger.warning("no CPU room for replica %s", shard_id.key.hex())
                 failed.append(shard_id)
-        self._core.evictor.replicated(self._core.node_id, done, failed)
-        return kept
+        return Landed(done, failed)
 
     def quarantine(self, offsets: Sequence[int]) -> None:
         """Extents a read that failed or timed out may still write: given back to the

@@ -168,10 +168,11 @@ class NixlArena:
         self, loan: NixlLoan, shards: Sequence[tuple[ShardId, ShardMeta]], started: float
     ) -> Moved:
         """Read the loan's extents into extents reserved here and keep what verifies
-        (the Evictor hears which). ``started``: the pull's start (``perf_counter``); the
-        read waits until ``timeout_s`` after it at most. Raises if the read failed or
-        timed out (nothing kept, the extents quarantined): TimeoutError, or
-        ConnectionError (the holder gone, a refused read). A pull thread."""
+        (the Moved says which, for the Evictor). ``started``: the pull's start
+        (``perf_counter``); the read waits until ``timeout_s`` after it at most. Raises
+        if the read failed or timed out (nothing kept, the extents quarantined):
+        TimeoutError, or ConnectionError (the holder gone, a refused read). A pull
+        thread."""
         metas = [meta for _, meta in shards]
         offsets = self._loans.reserve(metas)
         handle = None
@@ -197,10 +198,10 @@ class NixlArena:
             self._agent.release_xfer_handle(handle)
         except Exception:  # the read is done: its bytes are kept all the same
             logger.warning("releasing a finished NIXL read failed", exc_info=True)
-        self._loans.keep(shards, offsets)
+        landed = self._loans.keep(shards, offsets)
         with self._lock:
             self._counts["read_in_place"] += len(shards)
-        return Moved(sum(meta.nbytes for meta in metas), fetched - started)
+        return Moved(sum(meta.nbytes for meta in metas), fetched - started, landed)
 
     def _know(self, agent: str, meta: bytes) -> None:
         """Add the holder's agent (again, if its metadata changed)."""

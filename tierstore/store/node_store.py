@@ -48,7 +48,7 @@ from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId, TierName, shard
 from tierstore.store.disk_health import DiskHealth, os_error_of
 from tierstore.store.evictor_shards import ShardedEvictorPort
 from tierstore.store.ports import EvictorPort, PeerPort
-from tierstore.store.replicas import ReplicaTransfers
+from tierstore.store.replicas import Landed, ReplicaTransfers
 from tierstore.store.stats import NodeStoreStats, StoreCounters, tier_status
 from tierstore.wire import (
     MalformedField,
@@ -334,10 +334,23 @@ class NodeStoreCore:
         self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
     ) -> None:
         """Keep replica shards another node pushed, verified; the Evictor hears which
-        (:meth:`ReplicaTransfers.accept`). The control thread (pushed copies) or a pull
-        thread (:mod:`tierstore.store.pulls`): the tiers and counters it uses are
-        thread-safe, but it is not ordered with ``apply`` or a re-registration."""
-        self._replicas.accept(shards, views)
+        (one-way). The control thread."""
+        self.report_replicas(self.keep_replicas(shards, views))
+
+    def keep_replicas(
+        self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]
+    ) -> Landed:
+        """Keep replica shards another node sent, verified (:meth:`ReplicaTransfers.accept`);
+        the caller tells the Evictor which (:meth:`report_replicas`). The control thread
+        (:meth:`accept_replicas`) or a pull thread (:mod:`tierstore.store.pulls`): the
+        tiers and counters it uses are thread-safe, but it is not ordered with ``apply``
+        or a re-registration."""
+        return self._replicas.accept(shards, views)
+
+    def report_replicas(self, landed: Landed) -> None:
+        """Tell the Evictor which replica shards reached this node and were kept, which
+        not (one-way; a pull that failed: all of its shards failed)."""
+        self._replicas.report(landed)
 
     def write_through(self, shard_ids: list[ShardId]) -> None:
         """Copy stored shards to disk; their memory copies stay. The actor's

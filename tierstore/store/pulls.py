@@ -10,8 +10,10 @@ engine's load then finds them in this node's arena, or waits for the pull in fli
   most ``workers`` at once on this node (``pulls_per_node``);
 - a shard already being pulled is not pulled again (two requests asking for the same
   chunk at once: one pull); the Evictor starts no second copy of a chunk either;
-- what lands is verified and kept as the Evictor's replica (``accept``: it reports
-  which landed); a pull that fails is reported failed, and its room given back;
+- what lands is verified and kept as the Evictor's replica; a pull that fails keeps
+  nothing, and its room is given back. The loads waiting on a pull go on as soon as its
+  bytes are kept: its one-way reports (to the Evictor which shards landed, to the holder
+  that its loan ended) are sent after, off their path;
 - :meth:`Pulls.wait` is a load's join, or its start: the worker names each shard's
   holder, and a shard neither held here nor being pulled is pulled now, as the Evictor's
   message would have it (the Evictor's pull message and the worker's load reach the
@@ -40,6 +42,7 @@ from concurrent.futures import wait as futures_wait
 from typing import NamedTuple
 
 from tierstore.keys import NodeId, ShardId
+from tierstore.store.replicas import Landed
 from tierstore.wire import PullState
 
 logger = logging.getLogger(__name__)
@@ -48,15 +51,18 @@ __all__ = ["Move", "Moved", "PullState", "Pulls"]
 
 
 class Moved(NamedTuple):
-    """What one pull moved: its bytes, and the seconds until they were on this node (the
-    holder's call and the move; the rest of the pull verified and kept them)."""
+    """What one pull moved: its bytes; the seconds until they were on this node (the
+    holder's call and the move; the rest of the pull verified and kept them); which
+    shards were kept; and, for a loan (NIXL), its end: a one-way call to the holder."""
 
     nbytes: int
     fetch_s: float
+    landed: Landed
+    end_loan: Callable[[], object] | None = None
 
 
-# (holder, shard ids) -> Moved: fetch the shards from their holder, keep on this node
-# what verifies and report to the Evictor which landed; raises if nothing was kept.
+# (holder, shard ids) -> Moved: fetch the shards from their holder and keep on this node
+# what verifies; raises if the move failed (nothing kept; a loan it made, ended).
 Move = Callable[[NodeId, list[ShardId]], Moved]
 
 
@@ -66,15 +72,15 @@ class Pulls:
     def __init__(
         self,
         move: Move,
-        failed: Callable[[list[ShardId]], None],
+        report: Callable[[Landed], None],
         holds: Callable[[ShardId], bool],
         workers: int,
     ) -> None:
-        """``move`` fetches, verifies and keeps a pull's shards and reports them to the
-        Evictor; ``failed`` reports shards whose pull failed (``move`` raised);
-        ``holds``: whether this node holds a shard now."""
+        """``move`` fetches, verifies and keeps a pull's shards; ``report`` tells the
+        Evictor (one-way) which shards of a pull were kept, and which not (all of them
+        when ``move`` raised); ``holds``: whether this node holds a shard now."""
         self._move = move
-        self._failed = failed
+        self._report = report
         self._holds = holds
         self._workers = max(1, workers)
         self._pool = ThreadPoolExecutor(
@@ -126,13 +132,14 @@ class Pulls:
             try:
                 self._pool.submit(self._pull, holder, shard_ids, futures[holder])
             except RuntimeError:  # shut down
-                self._report_failed(shard_ids)
                 self._end(shard_ids, futures[holder], False)
+                self._send("report", self._report, Landed([], shard_ids))
         return {s: futures[holder] for holder, ids in by_holder.items() for s in ids}
 
     def _pull(self, holder: NodeId, shard_ids: list[ShardId], done: Future[bool]) -> None:
-        """Pool thread: fetch, keep what verifies, report; never raises."""
-        ok = False
+        """Pool thread: fetch and keep what verifies, release the loads waiting on it,
+        then send the reports; never raises."""
+        moved: Moved | None = None
         with self._lock:
             self._running.add(done)
         try:
@@ -143,21 +150,25 @@ class Pulls:
                 self._counts["bytes"] += moved.nbytes
                 self._times_s["fetch"] += moved.fetch_s
                 self._times_s["accept"] += time.perf_counter() - started - moved.fetch_s
-            ok = True
         except Exception as exc:
             logger.warning("pulling %d shards from node %s failed: %s", len(shard_ids), holder, exc)
             with self._lock:
                 self._counts["failed"] += 1
-            self._report_failed(shard_ids)
         finally:
-            self._end(shard_ids, done, ok)
+            self._end(shard_ids, done, moved is not None)
+        # The loads waiting on it have gone on: the one-way reports are off their path.
+        self._send("report", self._report, moved.landed if moved else Landed([], shard_ids))
+        if moved is not None and moved.end_loan is not None:
+            self._send("end the loan", moved.end_loan)
 
-    def _report_failed(self, shard_ids: list[ShardId]) -> None:
-        """Tell the Evictor (``failed``) so it gives the copies' room back; never raises."""
+    @staticmethod
+    def _send(what: str, send: Callable[..., object], *args: object) -> None:
+        """A one-way report (the Evictor gives a failed copy's room back, the holder
+        unpins a loan's extents); never raises."""
         try:
-            self._failed(shard_ids)
+            send(*args)
         except Exception:
-            logger.warning("reporting a failed pull raised", exc_info=True)
+            logger.warning("a pull could not %s", what, exc_info=True)
 
     def _end(self, shard_ids: list[ShardId], done: Future[bool], ok: bool) -> None:
         with self._lock:

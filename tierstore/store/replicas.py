@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,9 +27,17 @@ from tierstore.store.ports import EvictorPort, PeerPort
 from tierstore.store.stats import StoreCounters
 from tierstore.wire import ShardMeta
 
-__all__ = ["ReplicaTransfers"]
+__all__ = ["Landed", "ReplicaTransfers"]
 
 logger = logging.getLogger(__name__)
+
+
+class Landed(NamedTuple):
+    """Replica shards that reached this node: those kept, and those not (a checksum that
+    failed, no room). The Evictor hears both (:meth:`ReplicaTransfers.report`)."""
+
+    kept: list[ShardId]
+    failed: list[ShardId]
 
 
 @dataclass(frozen=True)
@@ -36,8 +45,9 @@ class ReplicaTransfers:
     """Replica pushes and receipts of one node.
 
     :meth:`push` sends shards the Evictor chose to replicate; :meth:`accept` keeps those
-    another node sent. Both report to the Evictor what became of each shard (one-way),
-    so its index never counts on a replica that is not there."""
+    another node sent. The Evictor hears what became of each shard (one-way: a push
+    reports itself, a receipt through :meth:`report`), so its index never counts on a
+    replica that is not there."""
 
     node_id: NodeId
     cpu: Tier
@@ -56,9 +66,10 @@ class ReplicaTransfers:
             with self.cpu.reading():  # no extent read here is reused until they are put
                 self._push_to(node, shard_ids)
 
-    def accept(self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]) -> None:
-        """Keep replica shards another node pushed (``views``: one array per shard, maybe
-        read-only views of the fetched object), verified; tell the Evictor which."""
+    def accept(self, shards: list[tuple[ShardId, ShardMeta]], views: list[np.ndarray]) -> Landed:
+        """Keep replica shards another node sent (``views``: one array per shard, maybe
+        read-only views of the fetched object), verified; which were kept is for
+        :meth:`report`."""
         done: list[ShardId] = []
         failed: list[ShardId] = []
         if len(views) != len(shards):
@@ -80,7 +91,11 @@ class ReplicaTransfers:
                 continue
             self.counters.add(replicas_received=1)
             done.append(shard_id)
-        self.evictor.replicated(self.node_id, done, failed)
+        return Landed(done, failed)
+
+    def report(self, landed: Landed) -> None:
+        """Tell the Evictor which replica shards this node kept and which not (one-way)."""
+        self.evictor.replicated(self.node_id, landed.kept, landed.failed)
 
     def _push_to(self, node: NodeId, shard_ids: list[ShardId]) -> None:
         sent: list[tuple[ShardId, StoredShard]] = []
