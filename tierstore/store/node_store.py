@@ -348,8 +348,7 @@ class NodeStoreCore:
         return self._replicas.accept(shards, views)
 
     def report_replicas(self, landed: Landed) -> None:
-        """Tell the Evictor which replica shards reached this node and were kept, which
-        not (one-way; a pull that failed: all of its shards failed)."""
+        """Tell the Evictor which replica shards this node kept, which not (one-way)."""
         self._replicas.report(landed)
 
     def write_through(self, shard_ids: list[ShardId]) -> None:
