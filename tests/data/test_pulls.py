@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
+from tests.support import wait_for
 from tierstore.keys import ChunkKey, Namespace, NodeId, ShardId
 from tierstore.store.pulls import Moved, Pulls
 from tierstore.store.replicas import Landed
@@ -48,17 +48,6 @@ class Holders:
         return Pulls(self.move, self.report, self.held.__contains__, workers)
 
 
-def eventually(condition: Callable[[], bool], within_s: float = 10.0) -> bool:
-    """Whether ``condition`` holds within ``within_s`` (a pull's reports are sent after
-    the loads waiting on it go on)."""
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_one_pull_per_holder_and_none_again_while_in_flight() -> None:
     holders = Holders()
     pulls = holders.pulls()
@@ -84,7 +73,8 @@ def test_a_join_waits_for_the_pull_at_most_its_deadline_and_a_failed_pull_fails_
     assert pulls.wait([sid(0)], 0.2) == [PullState.FAILED]  # still running at the deadline
     assert 0.2 <= time.monotonic() - started < 2
     holders.release.set()
-    assert eventually(lambda: holders.failed == [sid(0)])  # the Evictor frees the room
+    # Reported (after the loads go on): the Evictor gives the room back.
+    wait_for(lambda: holders.failed == [sid(0)], "the failed pull reported", 10)
     assert pulls.status()["failed"] == 1
     # A load after the failure joins nothing: it reads the chunk from a holder itself.
     assert pulls.wait([sid(0)], 10) == [PullState.NONE]
@@ -142,7 +132,8 @@ def test_a_failed_pull_the_load_started_leaves_the_load_to_read_the_shard_itself
     # Its own pull failed: NONE, so the load reads from the holder (or another copy the
     # Evictor names) as it would with no pull, rather than failing.
     assert pulls.wait([sid(0)], 10, [A]) == [PullState.NONE]
-    assert eventually(lambda: holders.failed == [sid(0)]) and pulls.status()["failed"] == 1
+    wait_for(lambda: holders.failed == [sid(0)], "the failed pull reported", 10)
+    assert pulls.status()["failed"] == 1
     # A pull the Evictor's message started that fails still fails the load joining it.
     holders.release.clear()
     pulls.start([(sid(1), A)])
@@ -177,4 +168,4 @@ def test_loads_waiting_on_a_pull_go_on_before_its_reports_are_sent() -> None:
     assert time.monotonic() - started < 4  # not held back until the join's deadline
     assert not reported and not ended
     sends.set()
-    assert eventually(lambda: reported == [Landed([sid(0)], [])] and ended == [A])
+    wait_for(lambda: reported == [Landed([sid(0)], [])] and ended == [A], "the reports", 10)
